@@ -1,0 +1,124 @@
+"""The Python API that mirrors the CLI: load a target and a drafter, generate text from prompts."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dspark.decoding import GenerationResult, decode
+from dspark.drafters.base import Drafter, NoDrafter
+from dspark.drafters.draft_model import DraftModelDrafter
+from dspark.drafters.ngram import NgramDrafter
+from dspark.sampling import SamplingParams
+from dspark.target import CausalLM
+from dspark.zoo import bundled_drafter_path, default_target_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DRAFTER_NAMES = ("none", "ngram", "draft-model")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map 'float32' / 'bfloat16' / 'float16' (or a torch dtype) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_causal_lm(
+    path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu", feature_layers: Sequence[int] = ()
+) -> CausalLM:
+    """Load an HF causal LM and its tokenizer from a local folder into a `CausalLM`."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no model at {path}: expected a Hugging Face folder with config.json")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
+    return CausalLM(model, tokenizer, feature_layers=feature_layers)
+
+
+def load_target(
+    path: str | Path | None = None, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+) -> CausalLM:
+    """Load a target model (default: the bundled one). bfloat16 is the fast default on CPUs and GPUs."""
+    return load_causal_lm(path or default_target_path(), dtype, device)
+
+
+def _check_same_tokenizer(target: CausalLM, draft: CausalLM, where: str) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"drafter {where} does not fit the target: vocab_size is {draft.vocab_size} in the drafter "
+            f"but {target.vocab_size} in the target"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+        if tv != dv:
+            diff = sorted(set(tv.items()) ^ set(dv.items()))[:3]
+            raise ValueError(
+                f"drafter {where} does not fit the target: its tokenizer differs from the target's "
+                f"(e.g. {diff}); a draft model must share the target's tokenizer"
+            )
+
+
+def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None = None) -> Drafter:
+    """Return a drafter for `target`: 'none', 'ngram', 'draft-model' (bundled) or a checkpoint folder."""
+    name = str(name_or_path)
+    if name == "none":
+        return NoDrafter()
+    if name == "ngram":
+        return NgramDrafter(gamma=gamma or 4)
+    path = bundled_drafter_path(name) if name in DRAFTER_NAMES else Path(name)
+    if not path.exists():
+        raise ValueError(
+            f"unknown drafter {name!r}: use one of {', '.join(DRAFTER_NAMES)} or the path of a drafter checkpoint"
+        )
+    if not (path / "config.json").exists():
+        raise ValueError(f"drafter path {path} has no config.json")
+    draft = load_causal_lm(path, target.dtype, str(target.device))
+    _check_same_tokenizer(target, draft, str(path))
+    return DraftModelDrafter(draft, gamma=gamma or 4)
+
+
+def encode_prompt(target: CausalLM, prompt: str, chat: bool = True) -> list[int]:
+    """Tokenize a prompt, wrapped in the chat template as a user turn when `chat` is set."""
+    if target.tokenizer is None:
+        raise ValueError("the target has no tokenizer; pass token ids to dspark.decoding.decode instead")
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    tok = target.tokenizer
+    if chat and tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    else:
+        text = prompt
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def generate(
+    target: CausalLM,
+    drafter: Drafter,
+    prompts: str | Sequence[str],
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat: bool = True,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
+) -> list[GenerationResult]:
+    """Generate for one prompt or a batch; return per prompt the token ids, the text and per-round stats.
+
+    Request i of a batch uses seed + i, so a batch is reproducible and its rows are independent.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    ids = [encode_prompt(target, p, chat) for p in prompts]
+    params = [
+        SamplingParams(temperature, top_k, top_p, None if seed is None else seed + i) for i in range(len(ids))
+    ]
+    results = decode(target, drafter, ids, params, max_new_tokens, on_tokens=on_tokens)
+    for r in results:
+        r.text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    return results

@@ -1,0 +1,123 @@
+"""`dspark` command line: generate text and benchmark drafters on the bundled models."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from dspark.api import DRAFTER_NAMES, generate, load_drafter, load_target
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model folder (default: the bundled target)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (drafter default if unset)")
+
+
+class _Streamer:
+    """Prints the decoded text of one request as tokens arrive, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, index: int, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[self.printed :])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    target = load_target(args.target, args.dtype, args.device)
+    drafter = load_drafter(args.drafter, target, args.gamma)
+    streamer = _Streamer(target.tokenizer)
+    start = time.perf_counter()
+    (result,) = generate(
+        target,
+        drafter,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=not args.raw,
+        on_tokens=streamer,
+    )
+    seconds = time.perf_counter() - start
+    n = len(result.token_ids)
+    print()
+    print(
+        f"tokens={n} rounds={len(result.rounds)} tau={result.tau:.2f} tok/s={n / seconds:.1f} "
+        f"drafter={args.drafter} finish={result.finish_reason}"
+    )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dspark.evaluation.bench import run_bench
+
+    run_bench(
+        drafters=args.drafters,
+        domains=args.domains,
+        temperatures=args.temperatures,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        target_path=args.target,
+        dtype=args.dtype,
+        device=args.device,
+        gamma=args.gamma,
+        json_path=args.json,
+        seed=args.seed,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the `dspark` command."""
+    parser = argparse.ArgumentParser(prog="dspark", description="Adaptive speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a continuation of PROMPT, then one statistics line")
+    g.add_argument("prompt")
+    g.add_argument("--drafter", default="draft-model", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    _add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="run drafters side by side on the held-out prompts of each domain")
+    b.add_argument("--drafters", nargs="+", default=["none", "ngram", "draft-model"])
+    b.add_argument("--domains", nargs="+", default=["code", "prose", "math"])
+    b.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    b.add_argument("--num-prompts", type=int, default=20, help="prompts per domain")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", default=None, help="also write the results to this JSON file")
+    _add_model_args(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dspark` console command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"dspark: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

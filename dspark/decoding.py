@@ -1,0 +1,143 @@
+"""The one decoding loop: draft, verify in one batched target pass, commit, roll back, feed back.
+
+Target-only decoding, n-gram lookup, draft models and the feature-conditioned drafters all run through
+`decode`; a single request is a batch of one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from dspark.drafters.base import Drafter, RoundOutcome
+from dspark.sampling import BatchSampling, SamplingParams, make_generator
+from dspark.target import CausalLM
+from dspark.verify import verify
+
+
+@dataclass
+class RoundStats:
+    """One round of one request: how many drafts were verified and how many were accepted."""
+
+    draft_len: int
+    accepted: int
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (prompt excluded) and per-round statistics of one request."""
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    rounds: list[RoundStats] = field(default_factory=list)
+    finish_reason: str = "length"
+    text: str = ""
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Accepted length τ: tokens committed per round, bonus token included."""
+        return len(self.token_ids) / max(1, len(self.rounds))
+
+
+TokenCallback = Callable[[int, list[int]], None]
+
+
+def _check_inputs(target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    if not prompts:
+        raise ValueError("no prompts given")
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: give at least one token")
+        if limit is not None and len(p) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+                f"target's context of {limit} tokens"
+            )
+        bad = [t for t in p if not 0 <= int(t) < target.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {target.vocab_size}): {bad[:5]}")
+
+
+@torch.no_grad()
+def decode(
+    target: CausalLM,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    max_new_tokens: int = 128,
+    on_tokens: TokenCallback | None = None,
+    eos_token_ids: frozenset[int] | None = None,
+) -> list[GenerationResult]:
+    """Generate continuations of token-id prompts with speculative decoding; return one result each.
+
+    on_tokens(i, tokens) is called whenever request i commits tokens (for streaming).
+    """
+    _check_inputs(target, prompts, max_new_tokens)
+    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling settings for {len(prompts)} prompts")
+    eos = target.eos_token_ids if eos_token_ids is None else eos_token_ids
+    device = target.device
+    results = [GenerationResult(prompt_ids=[int(t) for t in p]) for p in prompts]
+    seqs = [list(r.prompt_ids) for r in results]
+    gens = [make_generator(p.seed, device) for p in params]
+    active = list(range(len(prompts)))  # request index of each batch row
+    want_features = bool(drafter.feature_layers)
+    start = time.perf_counter()
+
+    # Prefill everything but the last prompt token; that token is the first round's anchor.
+    target.reset(len(prompts))
+    pre = target.forward([s[:-1] for s in seqs], features=want_features)
+    drafter.start(seqs, pre.features)
+
+    while active:
+        batch_params = BatchSampling.from_params([params[i] for i in active], device)
+        batch_gens = [gens[i] for i in active]
+        rows_seqs = [seqs[i] for i in active]
+        block = drafter.propose(rows_seqs, batch_params, batch_gens)
+        budget = [max_new_tokens - len(results[i].token_ids) - 1 for i in active]
+        block = block.truncate(budget)
+        lens = block.lengths.tolist()
+        drafts = block.tokens.tolist()
+        inputs = [[s[-1]] + drafts[r][: lens[r]] for r, s in enumerate(rows_seqs)]
+        base_len = target.lengths.clone()
+        out = target.forward(inputs, features=want_features)
+        width = max(lens) + 1 if lens else 1
+        logits = out.logits[:, :width]
+        draft_tokens = block.tokens[:, : width - 1]
+        if draft_tokens.shape[1] < width - 1:
+            draft_tokens = torch.nn.functional.pad(draft_tokens, (0, width - 1 - draft_tokens.shape[1]))
+        probs = block.probs[:, : width - 1] if block.probs is not None else None
+        res = verify(logits, draft_tokens, block.lengths, probs, batch_params, batch_gens, eos)
+        # Keep the anchor and the accepted drafts in the target cache; the new token is the next anchor.
+        target.truncate(base_len + 1 + torch.tensor(res.accepted, device=device))
+        drafter.observe(RoundOutcome(committed=res.tokens, accepted=res.accepted, features=out.features))
+
+        still = []
+        for r, i in enumerate(active):
+            room = max_new_tokens - len(results[i].token_ids)
+            new = res.tokens[r][:room]
+            results[i].token_ids.extend(new)
+            seqs[i].extend(new)
+            results[i].rounds.append(RoundStats(draft_len=lens[r], accepted=res.accepted[r]))
+            if on_tokens is not None and new:
+                on_tokens(i, new)
+            if any(t in eos for t in new):
+                results[i].finish_reason = "stop"
+            elif len(results[i].token_ids) < max_new_tokens:
+                still.append(r)
+        if len(still) < len(active):
+            target.select(still)
+            drafter.select(still)
+            active = [active[r] for r in still]
+
+    elapsed = time.perf_counter() - start
+    for r in results:
+        r.seconds = elapsed
+    return results

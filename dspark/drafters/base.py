@@ -1,0 +1,102 @@
+"""The drafter protocol: every drafting method proposes a `DraftBlock` for a batch of requests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dspark.sampling import BatchSampling
+
+
+@dataclass
+class DraftBlock:
+    """Draft tokens for R requests.
+
+    tokens: [R, γ] long (entries past lengths[r] are padding); lengths: [R] long, 0 allowed.
+    probs: [R, γ, V] the distributions the drafts were sampled from, or None (one-hot q).
+    confidences: [R, γ] predicted survival probability per position, or None.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    probs: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, num_rows: int, device: torch.device | str = "cpu") -> "DraftBlock":
+        """A block with no drafts for any request (a plain decoding round)."""
+        return cls(
+            tokens=torch.zeros(num_rows, 0, dtype=torch.long, device=device),
+            lengths=torch.zeros(num_rows, dtype=torch.long, device=device),
+        )
+
+    @classmethod
+    def from_lists(cls, drafts: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> "DraftBlock":
+        """Pack ragged token lists into a padded block without probabilities."""
+        width = max((len(d) for d in drafts), default=0)
+        tokens = torch.zeros(len(drafts), width, dtype=torch.long)
+        for r, d in enumerate(drafts):
+            if len(d):
+                tokens[r, : len(d)] = torch.as_tensor(list(d), dtype=torch.long)
+        lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+        return cls(tokens=tokens.to(device), lengths=lengths.to(device))
+
+    def truncate(self, max_lens: Sequence[int]) -> "DraftBlock":
+        """Return the block with row r cut to at most max_lens[r] drafts."""
+        cap = torch.as_tensor(list(max_lens), dtype=torch.long, device=self.lengths.device)
+        return DraftBlock(self.tokens, torch.minimum(self.lengths, cap.clamp_min(0)), self.probs, self.confidences)
+
+
+@dataclass
+class RoundOutcome:
+    """What one verification round committed, fed back to the drafter.
+
+    committed[r]: tokens appended to request r this round (accepted drafts + corrected/bonus token).
+    accepted[r]: accepted draft count. features: target features [R, q, F] of the verify pass (anchor
+    at position 0, then the drafts), or None when the drafter does not use target features.
+    """
+
+    committed: list[list[int]]
+    accepted: list[int]
+    features: torch.Tensor | None = None
+
+
+class Drafter:
+    """Base of all drafters. Subclasses implement `propose`; the hooks default to doing nothing.
+
+    The decoding loop calls: `start(prompts, prefill_features)` once, then per round `propose`, the
+    target verifies, `observe(outcome)`; `select(rows)` when finished requests leave the batch.
+    """
+
+    name: str = "drafter"
+    #: Target layer ids whose features the drafter reads; empty for drafters that don't see the target.
+    feature_layers: tuple[int, ...] = ()
+
+    def start(self, prompts: Sequence[Sequence[int]], prefill_features: torch.Tensor | None) -> None:
+        """Begin a new batch whose requests start from `prompts`."""
+
+    def propose(
+        self,
+        sequences: Sequence[Sequence[int]],
+        sampling: BatchSampling,
+        generators: Sequence[torch.Generator],
+    ) -> DraftBlock:
+        """Return drafts continuing each sequence (prompt + generated tokens, anchor last)."""
+        raise NotImplementedError
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """Learn what the last round accepted."""
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only the given rows of any per-request state."""
+
+
+class NoDrafter(Drafter):
+    """Target-only autoregressive decoding: every round verifies zero drafts."""
+
+    name = "none"
+
+    def propose(self, sequences, sampling, generators) -> DraftBlock:
+        """Return an empty block."""
+        return DraftBlock.empty(len(sequences))

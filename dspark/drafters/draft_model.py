@@ -1,0 +1,79 @@
+"""Classic speculative decoding with an independent small draft LM sharing the target's tokenizer."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dspark.drafters.base import DraftBlock, Drafter
+from dspark.sampling import BatchSampling, logits_to_probs
+from dspark.target import CausalLM
+
+
+class DraftModelDrafter(Drafter):
+    """Drafts γ tokens autoregressively with a small LM; q is its own filtered sampling distribution.
+
+    The draft keeps its own batched KV cache. Before each proposal it rolls every row back to the
+    longest prefix it shares with the request's committed text, so accepted drafts are not recomputed.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model: CausalLM, gamma: int = 4) -> None:
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.lm = model
+        self.gamma = gamma
+        self.fed: list[list[int]] = []
+
+    def start(self, prompts, prefill_features) -> None:
+        """Reset the draft cache for a new batch."""
+        self.lm.reset(len(prompts))
+        self.fed = [[] for _ in prompts]
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep the cache rows of requests still running."""
+        self.lm.select(rows)
+        self.fed = [self.fed[r] for r in rows]
+
+    def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
+        """Sample γ draft tokens per request from the draft model, returning their distributions."""
+        num_rows = len(sequences)
+        keep = []
+        pending = []
+        for r, seq in enumerate(sequences):
+            fed = self.fed[r]
+            common = 0
+            limit = min(len(fed), len(seq) - 1)  # always re-feed at least the anchor
+            while common < limit and fed[common] == seq[common]:
+                common += 1
+            keep.append(common)
+            pending.append(list(seq[common:]))
+        self.lm.truncate(keep)
+        self.fed = [list(seq) for seq in sequences]
+
+        tokens = torch.zeros(num_rows, self.gamma, dtype=torch.long, device=self.lm.device)
+        probs = None
+        last = [len(p) - 1 for p in pending]
+        for k in range(self.gamma):
+            out = self.lm.forward(pending)
+            logits = out.logits[torch.arange(num_rows), torch.tensor(last, device=out.logits.device)]
+            q = logits_to_probs(logits.unsqueeze(1), sampling).squeeze(1)  # [R, V]
+            if probs is None:
+                probs = torch.zeros(num_rows, self.gamma, q.shape[-1], device=q.device)
+            probs[:, k] = q
+            for r in range(num_rows):
+                if bool(sampling.greedy[r]):
+                    tokens[r, k] = q[r].argmax()
+                else:
+                    tokens[r, k] = torch.multinomial(q[r], 1, generator=generators[r]).squeeze()
+            step = tokens[:, k].tolist()
+            for r in range(num_rows):
+                self.fed[r].append(step[r])
+            pending = [[t] for t in step]
+            last = [0] * num_rows
+        # The last draft was never fed; drop it from the record of what the cache holds.
+        for r in range(num_rows):
+            self.fed[r].pop()
+        lengths = torch.full((num_rows,), self.gamma, dtype=torch.long, device=self.lm.device)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs)

@@ -1,0 +1,1 @@
+"""Evaluation: acceptance statistics and side-by-side drafter benchmarks."""

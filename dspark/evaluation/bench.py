@@ -1,0 +1,100 @@
+"""`dspark bench`: every drafter on the held-out prompts of each domain, side by side in one process.
+
+Prompts are run one at a time (batch 1) and the drafters take turns on each prompt, rotating the order,
+so machine noise hits all of them alike; speed is reported as a ratio to target-only decoding.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.api import encode_prompt, load_drafter, load_target
+from dspark.decoding import decode
+from dspark.evaluation.metrics import acceptance_stats
+from dspark.sampling import SamplingParams
+from dspark.zoo import eval_prompts_path
+
+
+def load_eval_prompts(domain: str, limit: int) -> list[str]:
+    """Return the first user turns of the bundled evaluation prompts of a domain."""
+    with open(eval_prompts_path(domain), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return [r["turns"][0] for r in rows[:limit]]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_bench(
+    drafters: list[str],
+    domains: list[str],
+    temperatures: list[float],
+    num_prompts: int = 20,
+    max_new_tokens: int = 128,
+    target_path: str | None = None,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    gamma: int | None = None,
+    json_path: str | None = None,
+    seed: int = 0,
+) -> dict:
+    """Benchmark drafters; print a table and return (and optionally write) the results as a dict."""
+    if "none" not in drafters:
+        drafters = ["none"] + list(drafters)
+    target = load_target(target_path, dtype, device)
+    loaded = {name: load_drafter(name, target, gamma) for name in drafters}
+    warm = encode_prompt(target, "def f(x):")
+    for d in loaded.values():
+        decode(target, d, [warm], SamplingParams(), 8)
+    results: dict = {"command": " ".join(["dspark"] + sys.argv[1:]), "dtype": dtype, "device": device,
+                     "max_new_tokens": max_new_tokens, "runs": []}
+    for temp in temperatures:
+        for domain in domains:
+            prompts = [encode_prompt(target, p) for p in load_eval_prompts(domain, num_prompts)]
+            seconds = {n: 0.0 for n in drafters}
+            outs: dict[str, list] = {n: [] for n in drafters}
+            for i, ids in enumerate(prompts):
+                order = drafters[i % len(drafters):] + drafters[: i % len(drafters)]
+                for name in order:
+                    params = SamplingParams(temperature=temp, seed=seed + i)
+                    t0 = time.perf_counter()
+                    (res,) = decode(target, loaded[name], [ids], params, max_new_tokens)
+                    seconds[name] += time.perf_counter() - t0
+                    outs[name].append(res)
+            base_tps = sum(len(r.token_ids) for r in outs["none"]) / seconds["none"]
+            for name in drafters:
+                tokens = sum(len(r.token_ids) for r in outs[name])
+                stats = acceptance_stats([s for r in outs[name] for s in r.rounds], tokens)
+                tps = tokens / seconds[name]
+                row = {
+                    "temperature": temp, "domain": domain, "drafter": name, "prompts": len(prompts),
+                    "tokens": tokens, "rounds": stats.rounds, "tau": stats.tau, "histogram": stats.histogram,
+                    "conditional_acceptance": stats.conditional, "cumulative_acceptance": stats.cumulative,
+                    "tok_per_s": tps, "speedup": tps / base_tps, "peak_rss_mb": _peak_rss_mb(),
+                }
+                if temp == 0.0:
+                    same = [a.token_ids == b.token_ids for a, b in zip(outs[name], outs["none"])]
+                    row["identical_to_target_only"] = sum(same) / len(same)
+                if device.startswith("cuda"):
+                    row["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                results["runs"].append(row)
+            print(_format_block(temp, domain, [r for r in results["runs"] if r["temperature"] == temp and r["domain"] == domain]), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _format_block(temp: float, domain: str, rows: list[dict]) -> str:
+    lines = [f"\n== domain={domain} temperature={temp}",
+             f"{'drafter':<14}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'same':>7}{'rss MB':>8}  histogram (accepted drafts 0..γ)"]
+    for r in rows:
+        same = f"{r['identical_to_target_only']:.2f}" if "identical_to_target_only" in r else "-"
+        lines.append(f"{r['drafter']:<14}{r['tau']:>6.2f}{r['tok_per_s']:>9.1f}{r['speedup']:>8.2f}x{same:>7}"
+                     f"{r['peak_rss_mb']:>8.0f}  {r['histogram']}")
+    return "\n".join(lines)

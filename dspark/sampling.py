@@ -1,0 +1,100 @@
+"""Sampling parameters and the logits -> probabilities transform shared by drafters and the verifier."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples: temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request decodes by argmax."""
+        return self.temperature == 0.0
+
+
+@dataclass
+class BatchSampling:
+    """Per-request sampling parameters as tensors of shape [R] on one device."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str) -> "BatchSampling":
+        """Stack a list of SamplingParams into tensors."""
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        )
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        """Bool [R]: rows that decode greedily."""
+        return self.temperature == 0
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Return logits [R, L, V] with entries outside each row's top-k / top-p nucleus set to -inf.
+
+    top_k and top_p have shape [R]; k = 0 and p = 1 keep everything. The most likely token always stays.
+    """
+    if bool((top_k == 0).all()) and bool((top_p >= 1.0).all()):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    ranks = torch.arange(vocab, device=logits.device)
+    remove |= ranks.view(1, 1, vocab) >= k.view(-1, 1, 1)
+    masked_sorted = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = torch.softmax(masked_sorted, dim=-1)
+    # A token is dropped when the mass strictly before it already reaches top_p.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    remove |= mass_before >= top_p.view(-1, 1, 1)
+    remove[..., 0] = False
+    out = torch.full_like(logits, float("-inf"))
+    return out.scatter(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """Return the sampling distribution [R, L, V] (float32) for logits [R, L, V].
+
+    Sampled rows: softmax(filter(logits / T)). Greedy rows: one-hot on the argmax, the distribution a
+    greedy decoder samples from.
+    """
+    logits = logits.float()
+    temp = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    scaled = filter_logits(logits / temp.view(-1, 1, 1), sampling.top_k, sampling.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(sampling.greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(sampling.greedy.view(-1, 1, 1), onehot, probs)
+    return probs
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """Return a generator on `device`, seeded with `seed` (or from torch's global RNG when None)."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    gen.manual_seed(seed)
+    return gen

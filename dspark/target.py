@@ -1,0 +1,192 @@
+"""A Hugging Face causal LM behind a batched KV cache whose rows advance and roll back independently.
+
+The cache is one HF `DynamicCache` for the whole batch. Every forward appends `q = max new tokens` slots to
+every row; rows with fewer new tokens pad, and a key-validity mask (passed as the 2-D `attention_mask`)
+hides the padding. Explicit per-row `position_ids` keep RoPE at each request's true positions. Rolling a
+row back marks its rejected slots invalid; when holes waste too much memory the cache is compacted by
+gathering each row's valid slots to the left. Causality follows slot order, and a row's valid slots are
+always in token order, so attention sees exactly the row's accepted text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass
+class ForwardOutput:
+    """Logits [R, q, V] (float32) and, when asked for, concatenated target features [R, q, m*d]."""
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+def num_decoder_layers(model: PreTrainedModel) -> int:
+    """Return the number of decoder layers of an HF causal LM."""
+    return int(model.config.num_hidden_layers)
+
+
+def check_feature_layers(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Validate target layer ids for feature extraction and return them as a list.
+
+    Ids are 0-based decoder layers (-1 = the embedding output), strictly increasing. The last layer is
+    refused: HF's hidden_states[-1] is taken after the final norm, not the raw decoder output.
+    """
+    ids = [int(i) for i in layer_ids]
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"feature layer ids must be strictly increasing, got {ids}")
+    for i in ids:
+        if i < -1 or i >= num_layers:
+            raise ValueError(f"feature layer id {i} is outside [-1, {num_layers - 1}] for a {num_layers}-layer target")
+        if i == num_layers - 1:
+            raise ValueError(
+                f"feature layer id {i} is the target's final layer, whose HF hidden state is post-norm; "
+                f"use ids <= {num_layers - 2}"
+            )
+    return ids
+
+
+class CausalLM:
+    """Batched incremental decoding over an HF `AutoModelForCausalLM` with per-row rollback."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer=None,
+        feature_layers: Sequence[int] = (),
+        compact_slack: int = 64,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.feature_layers = check_feature_layers(feature_layers, num_decoder_layers(model))
+        self.compact_slack = compact_slack
+        self.reset(0)
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        """Device of the model's parameters."""
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the model's parameters."""
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (the size of every probability vector)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows in the cache."""
+        return int(self.lengths.shape[0])
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """End-of-sequence ids from the generation config, model config and tokenizer."""
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        return frozenset(ids)
+
+    # ----------------------------------------------------------------- cache control
+    def reset(self, batch_size: int) -> None:
+        """Drop the cache and start `batch_size` empty rows."""
+        self.cache: DynamicCache | None = None
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+
+    def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
+        """Keep only the first `lengths[r]` tokens of row r (rolls back rejected drafts)."""
+        keep = torch.as_tensor(lengths, dtype=torch.long, device=self.device)
+        if bool((keep > self.lengths).any()) or bool((keep < 0).any()):
+            raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {keep.tolist()}")
+        rank = torch.cumsum(self.valid.long(), dim=1)
+        self.valid &= rank <= keep.view(-1, 1)
+        self.lengths = keep.clone()
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only the given rows, in that order (finished requests leave the batch)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
+        self.valid = self.valid[idx]
+        self.lengths = self.lengths[idx]
+        if self.cache is not None:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[idx]
+                layer.values = layer.values[idx]
+
+    def compact(self) -> None:
+        """Gather every row's valid slots to the left and drop the slots no row needs."""
+        if self.cache is None:
+            return
+        width = int(self.lengths.max()) if self.batch_size else 0
+        # Valid slots first (stable, so token order is kept), then the rest.
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]
+        for layer in self.cache.layers:
+            gather = order.view(order.shape[0], 1, width, 1).expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+        self.valid = torch.arange(width, device=self.device).view(1, -1) < self.lengths.view(-1, 1)
+
+    def _maybe_compact(self) -> None:
+        slots = self.valid.shape[1]
+        longest = int(self.lengths.max()) if self.batch_size else 0
+        if slots - longest > max(self.compact_slack, longest // 2):
+            self.compact()
+
+    # ----------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(self, new_tokens: Sequence[Sequence[int]], features: bool = False) -> ForwardOutput:
+        """Append `new_tokens[r]` to row r (lengths may differ, 0 allowed) and return their outputs.
+
+        Output position j of row r is the model's prediction after the row's text up to and including
+        new_tokens[r][j]; positions past len(new_tokens[r]) are padding and meaningless.
+        """
+        if len(new_tokens) != self.batch_size:
+            raise ValueError(f"got {len(new_tokens)} rows of tokens for a batch of {self.batch_size}")
+        self._maybe_compact()
+        device = self.device
+        counts = torch.tensor([len(t) for t in new_tokens], dtype=torch.long, device=device)
+        width = max(1, int(counts.max()) if len(new_tokens) else 1)
+        ids = torch.zeros(self.batch_size, width, dtype=torch.long)
+        for r, toks in enumerate(new_tokens):
+            if len(toks):
+                ids[r, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.long)
+        ids = ids.to(device)
+        offsets = torch.arange(width, device=device).view(1, -1)
+        new_valid = offsets < counts.view(-1, 1)
+        positions = self.lengths.view(-1, 1) + offsets
+        mask = torch.cat([self.valid, new_valid], dim=1)
+        # A row with no valid key at all would give NaN attention weights that poison the cache;
+        # let its (padding) queries see their own slot instead. Those slots stay invalid afterwards.
+        empty = ~mask.any(dim=1)
+        attn_mask = mask.clone()
+        if bool(empty.any()):
+            attn_mask[empty] = True
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn_mask.long(),
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=features and bool(self.feature_layers),
+        )
+        self.cache = out.cache
+        self.valid = mask
+        self.lengths = self.lengths + counts
+        feats = None
+        if features and self.feature_layers:
+            hs = out.hidden_states
+            feats = torch.cat([hs[i + 1] for i in self.feature_layers], dim=-1).float()
+        return ForwardOutput(logits=out.logits.float(), features=feats)
