@@ -89,6 +89,8 @@ def decode(
     gens = [make_generator(p.seed, device) for p in params]
     active = list(range(len(prompts)))  # request index of each batch row
     want_features = bool(drafter.feature_layers)
+    if want_features and list(target.feature_layers) != list(drafter.feature_layers):
+        target.set_feature_layers(drafter.feature_layers)
     start = time.perf_counter()
 
     # Prefill everything but the last prompt token; that token is the first round's anchor.

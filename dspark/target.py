@@ -98,6 +98,10 @@ class CausalLM:
                 ids.update(int(e) for e in eos)
         return frozenset(ids)
 
+    def set_feature_layers(self, layer_ids: Sequence[int]) -> None:
+        """Choose which layers' hidden states `forward(..., features=True)` returns."""
+        self.feature_layers = check_feature_layers(layer_ids, num_decoder_layers(self.model))
+
     # ----------------------------------------------------------------- cache control
     def reset(self, batch_size: int) -> None:
         """Drop the cache and start `batch_size` empty rows."""

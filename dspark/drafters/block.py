@@ -1,0 +1,169 @@
+"""Block drafters that see the target: DFlash (parallel block) and DSpark (+ sequential and confidence heads).
+
+One round: the block [anchor, mask × (γ−1)] at positions p..p+γ−1 attends to the draft context cache
+(projected target features of every accepted token before the anchor) in one parallel pass; the
+drafts are then sampled left to right, each slot's logits corrected by the sequential head from the
+token sampled at the slot before. After verification the features of the anchor and the accepted
+drafts are appended to the context cache; the bonus token becomes the next anchor.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
+from dspark.drafters.dflash_model import DFlashBackbone, DFlashConfig
+from dspark.drafters.heads import ConfidenceHead, build_sequential_head
+from dspark.sampling import BatchSampling, logits_to_probs
+from dspark.target import CausalLM
+
+
+class DSparkModel(DFlashBackbone):
+    """DFlash backbone plus the optional `markov_head` (vanilla, gated or rnn) and `confidence_head`."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__(cfg)
+        self.markov_head = build_sequential_head(cfg.markov_head_type, cfg.vocab_size, cfg.hidden_size, cfg.markov_rank)
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            rank = cfg.markov_rank if (cfg.confidence_head_with_markov and cfg.markov_rank > 0) else 0
+            self.confidence_head = ConfidenceHead(cfg.hidden_size, rank)
+
+    def prev_embed(self, prev: torch.Tensor) -> torch.Tensor | None:
+        """W1[x_{k−1}] for the confidence head, or None when it does not use the Markov embedding."""
+        if self.markov_head is None or self.confidence_head is None:
+            return None
+        if self.confidence_head.proj.in_features == self.cfg.hidden_size:
+            return None
+        return self.markov_head.markov_w1(prev)
+
+
+class ContextCache:
+    """Per-layer projected context K/V for a batch of rows of different lengths (padding masked)."""
+
+    def __init__(self, compact_slack: int = 64) -> None:
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+        self.lengths = torch.zeros(0, dtype=torch.long)
+        self.compact_slack = compact_slack
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
+        """Append per-layer K/V [R, KV, q, hd] of which the first counts[r] slots of row r are real."""
+        q = kv[0][0].shape[2]
+        new_valid = torch.arange(q, device=counts.device).view(1, -1) < counts.view(-1, 1)
+        if not self.kv:
+            self.kv = kv
+            self.valid = new_valid
+            self.lengths = counts.clone()
+        else:
+            self.kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, kv)]
+            self.valid = torch.cat([self.valid, new_valid], 1)
+            self.lengths = self.lengths + counts
+        if self.valid.shape[1] - int(self.lengths.max()) > max(self.compact_slack, int(self.lengths.max()) // 2):
+            self.compact()
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the left and drop unused slots."""
+        width = int(self.lengths.max())
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]
+        out = []
+        for k, v in self.kv:
+            idx = order.view(order.shape[0], 1, width, 1).expand(-1, k.shape[1], -1, k.shape[3])
+            out.append((k.gather(2, idx), v.gather(2, idx)))
+        self.kv = out
+        self.valid = torch.arange(width, device=self.valid.device).view(1, -1) < self.lengths.view(-1, 1)
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only the given rows."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
+        self.kv = [(k[idx], v[idx]) for k, v in self.kv]
+        self.valid = self.valid[idx]
+        self.lengths = self.lengths[idx]
+
+
+class BlockDrafter(Drafter):
+    """DFlash / DSpark drafting for a batch, using the target's embedding and LM head."""
+
+    def __init__(self, model: DSparkModel, target: CausalLM, name: str = "dspark") -> None:
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.name = name
+        self.embed = target.model.get_input_embeddings()
+        self.lm_head = target.model.get_output_embeddings()
+        self.feature_layers = tuple(self.cfg.target_layer_ids)
+        self.ctx = ContextCache()
+
+    @property
+    def gamma(self) -> int:
+        """Draft tokens proposed per round."""
+        return self.cfg.num_drafts
+
+    def _append_context(self, features: torch.Tensor, counts: torch.Tensor) -> None:
+        start = self.ctx.lengths if self.ctx.kv else torch.zeros_like(counts)
+        positions = start.view(-1, 1) + torch.arange(features.shape[1], device=features.device).view(1, -1)
+        with torch.no_grad():
+            kv = self.model.context_kv(features, positions)
+        self.ctx.append(kv, counts)
+
+    def start(self, prompts, prefill_features) -> None:
+        """Build the context cache from the prefill features (every prompt token but the last)."""
+        self.ctx = ContextCache()
+        counts = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=prefill_features.device)
+        self._append_context(prefill_features, counts)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """Append the features of each row's anchor and accepted drafts to the context."""
+        counts = torch.tensor([a + 1 for a in outcome.accepted], dtype=torch.long, device=outcome.features.device)
+        self._append_context(outcome.features, counts)
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Drop finished rows from the context cache."""
+        self.ctx.select(rows)
+
+    @torch.no_grad()
+    def block_hidden(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Final-normed hidden states [R, γ_block, d] of the block after each sequence's last token."""
+        device = self.ctx.valid.device
+        num_rows, width = len(sequences), self.cfg.block_size
+        anchors = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
+        ids = torch.full((num_rows, width), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = anchors
+        start = torch.tensor([len(s) - 1 for s in sequences], dtype=torch.long, device=device)
+        if not torch.equal(start, self.ctx.lengths):
+            raise RuntimeError(f"draft context holds {self.ctx.lengths.tolist()} tokens, expected {start.tolist()}")
+        positions = start.view(-1, 1) + torch.arange(width, device=device).view(1, -1)
+        mask = torch.cat([self.ctx.valid, torch.ones(num_rows, width, dtype=torch.bool, device=device)], 1)
+        return self.model(self.embed(ids), positions, self.ctx.kv, mask.unsqueeze(1))
+
+    @torch.no_grad()
+    def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
+        """Sample γ drafts left to right from the block logits plus the sequential bias."""
+        h = self.block_hidden(sequences)
+        if self.cfg.slot_convention == "self":
+            h = h[:, 1:]
+        num_rows, gamma = h.shape[0], h.shape[1]
+        device = h.device
+        base = self.lm_head(h).float()  # U_k, [R, γ, V]
+        head, conf_head = self.model.markov_head, self.model.confidence_head
+        prev = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
+        state = head.init_state(num_rows, device, h.dtype) if head is not None else None
+        tokens = torch.zeros(num_rows, gamma, dtype=torch.long, device=device)
+        probs = torch.zeros_like(base)
+        conf = torch.zeros(num_rows, gamma, device=device) if conf_head is not None else None
+        greedy = sampling.greedy.tolist()
+        for k in range(gamma):
+            logits = base[:, k]
+            if head is not None:
+                bias, state = head.step(h[:, k], prev, state)
+                logits = logits + bias.float()
+            if conf_head is not None:
+                conf[:, k] = torch.sigmoid(conf_head(h[:, k], self.model.prev_embed(prev)).float())
+            q = logits_to_probs(logits.unsqueeze(1), sampling).squeeze(1)
+            probs[:, k] = q
+            for r in range(num_rows):
+                tokens[r, k] = q[r].argmax() if greedy[r] else torch.multinomial(q[r], 1, generator=generators[r])[0]
+            prev = tokens[:, k]
+        lengths = torch.full((num_rows,), gamma, dtype=torch.long, device=device)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, confidences=conf)

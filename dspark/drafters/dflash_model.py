@@ -1,0 +1,214 @@
+"""The DFlash block-drafting backbone: Qwen3-style layers whose keys/values include the target context.
+
+Target features (hidden states of chosen target layers, concatenated) are projected once,
+H_ctx = hidden_norm(fc(features)), and every draft layer applies its own k_proj / v_proj to H_ctx, so
+the context enters each layer as extra keys and values ("KV injection"). Only the γ block tokens
+([anchor, mask × (γ−1)]) form the hidden stream; they attend bidirectionally to each other and to every
+context key. RoPE rotates every key and query at its absolute token position. Parameter names follow
+the public DSpark/DFlash checkpoints (`layers.i.self_attn.q_proj`, `fc`, `hidden_norm`, `norm`, ...).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass
+class DFlashConfig:
+    """Shape and behaviour of a block drafter (DFlash backbone plus optional DSpark heads).
+
+    slot_convention: "next" (DeepSpec/DSpark: slot k predicts the token after the anchor + k, γ drafts)
+    or "self" (z-lab DFlash: slot 0 is discarded, slot j predicts its own position, γ−1 drafts).
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 7
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    slot_convention: str = "next"
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.slot_convention not in ("next", "self"):
+            raise ValueError(f"slot_convention must be 'next' or 'self', got {self.slot_convention!r}")
+        if self.markov_head_type not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.markov_head_type!r}")
+        if self.block_size < 1 or (self.slot_convention == "self" and self.block_size < 2):
+            raise ValueError(f"block_size {self.block_size} is too small for the {self.slot_convention!r} convention")
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per round: γ for the 'next' convention, γ − 1 for 'self'."""
+        return self.block_size if self.slot_convention == "next" else self.block_size - 1
+
+    def to_dict(self) -> dict:
+        """Plain-dict form for config.json."""
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (Qwen3's, computed in float32)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return x / rms(x) * weight, in x's dtype."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin tables [..., head_dim] for integer positions (HF's rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [R, H, T, hd] by per-row tables cos/sin [R, T, hd]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU feed-forward block (gate/up/down, no bias)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return down(silu(gate(x)) * up(x))."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftAttention(nn.Module):
+    """Attention of block queries over [context keys; block keys] with per-head q/k RMSNorm."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, kv, hd, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, kv * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [R, KV, T, hd] of hidden states x [R, T, d]."""
+        r, t, _ = x.shape
+        hd, kv = self.cfg.head_dim, self.cfg.num_key_value_heads
+        k = self.k_norm(self.k_proj(x).view(r, t, kv, hd)).transpose(1, 2)
+        v = self.v_proj(x).view(r, t, kv, hd).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attend block states x [R, γ, d] to ctx_k/ctx_v [R, KV, T, hd] and the block itself.
+
+        mask: bool [R, 1 or γ, T + γ], True where a query may attend.
+        """
+        r, g, _ = x.shape
+        h, kv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        q = self.q_norm(self.q_proj(x).view(r, g, h, hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        bk, bv = self.project_kv(x, cos, sin)
+        k = torch.cat([ctx_k, bk], dim=2)
+        v = torch.cat([ctx_v, bv], dim=2)
+        if h != kv:
+            k = k.repeat_interleave(h // kv, dim=1)
+            v = v.repeat_interleave(h // kv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        return self.o_proj(out.transpose(1, 2).reshape(r, g, h * hd))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm Qwen3 decoder block with KV injection."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """Return the block states after attention and MLP, with residuals."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashBackbone(nn.Module):
+    """fc + hidden_norm over target features, N draft layers, final norm. Embedding and LM head are the target's."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        m = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(m * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin tables for positions [R, T]."""
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) [R, KV, T, hd] of target features [R, T, m*d] at absolute positions [R, T]."""
+        h_ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self.rope(positions, h_ctx.dtype)
+        return [layer.self_attn.project_kv(h_ctx, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [R, γ, d] of the block.
+
+        block_embeds: [R, γ, d] embeddings of [anchor, mask, ...]; positions: [R, γ];
+        ctx_kv: per-layer context keys/values [R, KV, T, hd]; mask: bool [R, 1 or γ, T + γ].
+        """
+        x = block_embeds.to(self.fc.weight.dtype)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
