@@ -1,0 +1,1 @@
+"""Training drafters against a frozen target: data, anchored blocks, losses, trainer."""

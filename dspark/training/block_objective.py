@@ -1,0 +1,53 @@
+"""Training objective of DFlash / DSpark drafters: one frozen-target pass, many anchored blocks, one loss."""
+from __future__ import annotations
+
+import torch
+
+from dspark.drafters.block import DSparkModel
+from dspark.training.blocks import build_blocks, sample_anchors
+from dspark.training.losses import LossWeights, drafter_loss
+
+
+@torch.no_grad()
+def target_pass(target_model, input_ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frozen target over one sequence [S]: (features [S, m*d] of layers id+1, logits [S, V])."""
+    out = target_model(input_ids=input_ids.unsqueeze(0), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1)
+    return feats, out.logits[0]
+
+
+def block_drafter_loss(
+    model: DSparkModel,
+    target_model,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    generator: torch.Generator,
+    num_anchors: int,
+    weights: LossWeights,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """Loss of a block drafter on one sequence (input_ids, loss_mask [S]); None when it has no anchor."""
+    cfg = model.cfg
+    if cfg.slot_convention != "next":
+        raise ValueError("training supports the 'next' slot convention (DeepSpec/DSpark) only")
+    anchors = sample_anchors(loss_mask, num_anchors, generator)
+    if anchors.numel() == 0:
+        return None
+    feats, t_logits = target_pass(target_model, input_ids, cfg.target_layer_ids)
+    blocks = build_blocks(input_ids, loss_mask, anchors, cfg.block_size, cfg.mask_token_id)
+    seq_len = input_ids.shape[0]
+    ctx_kv = model.context_kv(feats.unsqueeze(0), torch.arange(seq_len, device=input_ids.device).unsqueeze(0))
+    embed = target_model.get_input_embeddings()
+    lm_head = target_model.get_output_embeddings()
+    with torch.no_grad():
+        block_embeds = embed(blocks.input_ids).unsqueeze(0)
+    h = model(block_embeds, blocks.positions.unsqueeze(0), ctx_kv, blocks.mask.unsqueeze(0))
+    n, g = blocks.labels.shape
+    h = h.view(n, g, -1)
+    logits = lm_head(h).float()
+    if model.markov_head is not None:
+        logits = logits + model.markov_head.block_bias(h, blocks.prev_ids).float()
+    conf = None
+    if model.confidence_head is not None:
+        conf = model.confidence_head(h, model.prev_embed(blocks.prev_ids))
+    target_logits = t_logits[blocks.label_pos]
+    return drafter_loss(logits, target_logits, blocks.labels, blocks.valid, weights, conf)
