@@ -1,6 +1,7 @@
 """The Python API that mirrors the CLI: load a target and a drafter, generate text from prompts."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -16,7 +17,8 @@ from dspark.target import CausalLM
 from dspark.zoo import bundled_drafter_path, default_target_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DRAFTER_NAMES = ("none", "ngram", "draft-model")
+BUNDLED_DRAFTERS = ("draft-model", "dflash", "dspark", "dspark-rnn", "eagle3")
+DRAFTER_NAMES = ("none", "ngram") + BUNDLED_DRAFTERS
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -64,19 +66,32 @@ def _check_same_tokenizer(target: CausalLM, draft: CausalLM, where: str) -> None
 
 
 def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None = None) -> Drafter:
-    """Return a drafter for `target`: 'none', 'ngram', 'draft-model' (bundled) or a checkpoint folder."""
+    """Return a drafter for `target`: 'none', 'ngram', a bundled drafter name or a checkpoint folder.
+
+    Checkpoint folders may hold an HF causal LM sharing the target's tokenizer (a draft model) or a
+    block drafter (dspark / DeepSpec DSpark or DFlash / z-lab DFlash); the format is detected.
+    """
     name = str(name_or_path)
     if name == "none":
         return NoDrafter()
     if name == "ngram":
         return NgramDrafter(gamma=gamma or 4)
-    path = bundled_drafter_path(name) if name in DRAFTER_NAMES else Path(name)
+    path = bundled_drafter_path(name) if name in BUNDLED_DRAFTERS else Path(name)
     if not path.exists():
+        if name in BUNDLED_DRAFTERS:
+            raise ValueError(f"the bundled drafter {name!r} is not in the zoo ({path}); build it first")
         raise ValueError(
             f"unknown drafter {name!r}: use one of {', '.join(DRAFTER_NAMES)} or the path of a drafter checkpoint"
         )
     if not (path / "config.json").exists():
         raise ValueError(f"drafter path {path} has no config.json")
+    raw = json.loads((path / "config.json").read_text())
+    if "dflash_config" in raw or "markov_rank" in raw or "Qwen3DSparkModel" in (raw.get("architectures") or []):
+        from dspark.checkpoints import load_block_drafter_model
+        from dspark.drafters.block import BlockDrafter
+
+        model = load_block_drafter_model(path, target)
+        return BlockDrafter(model, target, name=path.name, max_drafts=gamma)
     draft = load_causal_lm(path, target.dtype, str(target.device))
     _check_same_tokenizer(target, draft, str(path))
     return DraftModelDrafter(draft, gamma=gamma or 4)

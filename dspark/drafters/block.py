@@ -86,7 +86,10 @@ class ContextCache:
 class BlockDrafter(Drafter):
     """DFlash / DSpark drafting for a batch, using the target's embedding and LM head."""
 
-    def __init__(self, model: DSparkModel, target: CausalLM, name: str = "dspark") -> None:
+    def __init__(self, model: DSparkModel, target: CausalLM, name: str = "dspark", max_drafts: int | None = None) -> None:
+        if max_drafts is not None and not 1 <= max_drafts <= model.cfg.num_drafts:
+            raise ValueError(f"gamma must be in [1, {model.cfg.num_drafts}] for this drafter, got {max_drafts}")
+        self.max_drafts = max_drafts
         self.model = model.eval()
         self.cfg = model.cfg
         self.name = name
@@ -143,6 +146,7 @@ class BlockDrafter(Drafter):
         h = self.block_hidden(sequences)
         if self.cfg.slot_convention == "self":
             h = h[:, 1:]
+        h = h[:, : self.max_drafts or h.shape[1]]
         num_rows, gamma = h.shape[0], h.shape[1]
         device = h.device
         base = self.lm_head(h).float()  # U_k, [R, γ, V]

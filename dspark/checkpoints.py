@@ -1,0 +1,163 @@
+"""Drafter checkpoints: `config.json` + `model.safetensors`, in dspark's own format and the published ones.
+
+Formats, told apart by config.json:
+- DeepSpec / dspark block drafters: `architectures: ["Qwen3DSparkModel"]`, top-level `block_size`,
+  `target_layer_ids`, `mask_token_id`, `markov_rank`, `enable_confidence_head`; all slots predict the
+  next token (γ drafts). DFlash is the same class with markov_rank 0 and no confidence head. The file
+  may hold frozen copies of the target's `embed_tokens` / `lm_head`; the target's own are used.
+- z-lab DFlash: a `dflash_config` dict (`target_layer_ids`, `mask_token_id`, maybe `block_size`) and a
+  top-level `block_size`; no embedding or LM head; slot 0 is discarded (γ − 1 drafts).
+dspark writes the DeepSpec layout (plus `dspark_slot_convention`), so its drafters load there too.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.drafters.block import DSparkModel
+from dspark.drafters.dflash_model import DFlashConfig
+from dspark.target import CausalLM
+
+SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+
+
+class CheckpointMismatch(ValueError):
+    """A drafter checkpoint that does not fit the target it is loaded for."""
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return float(cfg.get("rope_theta", params.get("rope_theta", 1_000_000.0)))
+
+
+def detect_format(cfg: dict) -> str:
+    """'dspark' (DeepSpec layout), 'zlab-dflash' or 'eagle3' from a checkpoint's config dict."""
+    arch = (cfg.get("architectures") or [""])[0]
+    if "dflash_config" in cfg:
+        return "zlab-dflash"
+    if arch in ("Qwen3DSparkModel", "DSparkModel") or "markov_rank" in cfg:
+        return "dspark"
+    if arch in ("Qwen3Eagle3Model", "Eagle3DraftModel"):
+        return "eagle3"
+    raise ValueError(f"unrecognised drafter checkpoint (architectures={cfg.get('architectures')})")
+
+
+def block_config_from_dict(cfg: dict) -> DFlashConfig:
+    """DFlashConfig from a DeepSpec or z-lab config dict."""
+    fmt = detect_format(cfg)
+    if fmt == "eagle3":
+        raise ValueError("an EAGLE-3 checkpoint is not a block drafter")
+    dflash = cfg.get("dflash_config", {})
+    pick = (lambda k, d=None: dflash.get(k, cfg.get(k, d))) if fmt == "zlab-dflash" else (lambda k, d=None: cfg.get(k, d))
+    for key in ("target_layer_ids", "mask_token_id", "block_size"):
+        if pick(key) is None:
+            raise ValueError(f"drafter config lacks required field {key!r}")
+    heads = int(cfg["num_attention_heads"])
+    rank = int(cfg.get("markov_rank", 0) or 0)
+    return DFlashConfig(
+        hidden_size=int(cfg["hidden_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        vocab_size=int(cfg["vocab_size"]),
+        target_layer_ids=[int(i) for i in pick("target_layer_ids")],
+        mask_token_id=int(pick("mask_token_id")),
+        block_size=int(pick("block_size")),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        slot_convention=cfg.get("dspark_slot_convention", "self" if fmt == "zlab-dflash" else "next"),
+        markov_rank=rank,
+        markov_head_type=cfg.get("markov_head_type", "vanilla") if rank > 0 else "vanilla",
+        enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
+        confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", True)),
+    )
+
+
+def check_fits_target(cfg: DFlashConfig, target: CausalLM, num_target_layers: int | None = None) -> None:
+    """Raise CheckpointMismatch naming the field and both values when the drafter does not fit the target."""
+    tcfg = target.model.config
+    t_layers = int(tcfg.num_hidden_layers)
+    problems = []
+    if cfg.hidden_size != int(tcfg.hidden_size):
+        problems.append(f"hidden_size is {cfg.hidden_size} in the drafter but {tcfg.hidden_size} in the target")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size is {cfg.vocab_size} in the drafter but {target.vocab_size} in the target")
+    if num_target_layers is not None and num_target_layers != t_layers:
+        problems.append(f"num_target_layers is {num_target_layers} in the drafter but the target has {t_layers} layers")
+    bad = [i for i in cfg.target_layer_ids if i < -1 or i >= t_layers - 1]
+    if bad:
+        problems.append(f"target_layer_ids {cfg.target_layer_ids} include {bad}, outside [-1, {t_layers - 2}] "
+                        f"for a {t_layers}-layer target (the final layer is post-norm)")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id is {cfg.mask_token_id} in the drafter but the target's vocabulary has "
+                        f"{target.vocab_size} rows")
+    if problems:
+        raise CheckpointMismatch("drafter does not fit the target: " + "; ".join(problems))
+
+
+def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, extra: dict | None = None) -> Path:
+    """Write a block drafter as DeepSpec-layout config.json + model.safetensors (no target copies)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    c = model.cfg
+    cfg = {
+        "architectures": ["Qwen3DSparkModel"],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "block_size": c.block_size,
+        "mask_token_id": c.mask_token_id,
+        "target_layer_ids": list(c.target_layer_ids),
+        "num_target_layers": int(target.model.config.num_hidden_layers),
+        "markov_rank": c.markov_rank,
+        "enable_confidence_head": c.enable_confidence_head,
+        "dspark_slot_convention": c.slot_convention,
+    }
+    if c.markov_rank > 0:
+        cfg["markov_head_type"] = c.markov_head_type
+    if c.enable_confidence_head:
+        cfg["confidence_head_with_markov"] = c.confidence_head_with_markov
+    cfg.update(extra or {})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def load_block_drafter_model(path: str | Path, target: CausalLM) -> DSparkModel:
+    """Load a DeepSpec / dspark / z-lab block drafter for `target`, checking that it fits."""
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    cfg = block_config_from_dict(raw)
+    check_fits_target(cfg, target, raw.get("num_target_layers"))
+    weights = load_file(str(path / "model.safetensors"))
+    for key in SHARED_KEYS:
+        if key in weights:
+            expected = tuple(target.model.get_input_embeddings().weight.shape) if key == "embed_tokens.weight" \
+                else tuple(target.model.get_output_embeddings().weight.shape)
+            if tuple(weights[key].shape) != expected:
+                raise CheckpointMismatch(f"drafter does not fit the target: {key} has shape "
+                                         f"{tuple(weights[key].shape)} in the drafter but {expected} in the target")
+            del weights[key]
+    model = DSparkModel(cfg)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointMismatch(f"checkpoint {path} does not match its config: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}")
+    return model.to(device=target.device, dtype=target.dtype)

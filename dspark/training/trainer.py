@@ -1,0 +1,193 @@
+"""The drafter training loop: AdamW, warm-up + cosine, clipping, bf16 autocast, exact resume, torchrun DDP.
+
+Launch single-process as a plain call, or with `torchrun --nproc-per-node N` (gloo on CPU, NCCL on
+GPU): every rank takes its share of each global batch, `DistributedDataParallel` averages gradients,
+so N processes compute the same update as one process with the same global batch. The data order and
+the anchors depend only on (seed, step, index in the global batch), so a killed run resumes exactly from
+its last checkpoint (model, AdamW moments and step in safetensors + JSON; never pickle).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+
+from dspark.training.data import global_batches
+
+Objective = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]] | None"]
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings (defaults after DeepSpec, scaled to small CPU runs)."""
+
+    steps: int = 100
+    batch: int = 8  # global sequences per step
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    num_anchors: int = 64
+    seed: int = 42
+    ckpt_every: int = 50
+    bf16: bool = True
+    objective_kwargs: dict = field(default_factory=dict)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over warmup_frac of the steps, then cosine decay to zero."""
+    warm = max(1, int(cfg.warmup_frac * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class _BatchLoss(nn.Module):
+    """Mean objective over this rank's sequences; a module so DDP sees one forward per step."""
+
+    def __init__(self, model: nn.Module, objective: Objective) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(self, target_model, sequences, generators, kwargs):  # noqa: D102
+        losses, stats = [], []
+        for (ids, mask), gen in zip(sequences, generators):
+            out = self.objective(self.model, target_model, ids, mask, gen, **kwargs)
+            if out is not None:
+                losses.append(out[0])
+                stats.append(out[1])
+        if not losses:  # keep every parameter in the graph so DDP still synchronises
+            return sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0, []
+        return torch.stack(losses).sum() / len(sequences), stats
+
+
+def _dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Join the torchrun process group when launched by torchrun; return (rank, world size)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return _dist_info()
+
+
+def save_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
+    """Write weights, AdamW moments and the step (safetensors + JSON), atomically."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    opt_steps = {}
+    for name, p in model.named_parameters():
+        st = opt.state.get(p)
+        if st:
+            tensors[f"exp_avg.{name}"] = st["exp_avg"].detach().clone().contiguous()
+            tensors[f"exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().clone().contiguous()
+            opt_steps[name] = float(st["step"])
+    tmp = path / "train_state.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path / "train_state.safetensors")
+    (path / "train_state.json").write_text(json.dumps({"step": step, "opt_steps": opt_steps, **extra}))
+
+
+def load_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Restore a state written by save_train_state; return the step to continue from."""
+    meta = json.loads((path / "train_state.json").read_text())
+    tensors = load_file(str(path / "train_state.safetensors"))
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    for name, p in model.named_parameters():
+        if f"exp_avg.{name}" in tensors:
+            opt.state[p] = {
+                "step": torch.tensor(meta["opt_steps"][name]),
+                "exp_avg": tensors[f"exp_avg.{name}"].to(p.device),
+                "exp_avg_sq": tensors[f"exp_avg_sq.{name}"].to(p.device),
+            }
+    return int(meta["step"])
+
+
+def train(
+    model: nn.Module,
+    target_model: nn.Module,
+    sequences: list[tuple[torch.Tensor, torch.Tensor]],
+    objective: Objective,
+    cfg: TrainConfig,
+    work_dir: str | Path,
+    log_path: str | Path | None = None,
+    stop_after: int | None = None,
+) -> dict:
+    """Train `model` (the frozen target only provides features/logits); return a summary.
+
+    work_dir keeps the resumable state; a run finding one there continues from it. stop_after ends the
+    run early at that step (used to test resumption).
+    """
+    device = next(model.parameters()).device
+    rank, world = init_distributed(device)
+    if cfg.batch % world:
+        raise ValueError(f"global batch {cfg.batch} is not divisible by the {world} processes")
+    for p in target_model.parameters():
+        p.requires_grad_(False)
+    target_model.eval()
+    work_dir = Path(work_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step = load_train_state(work_dir, model, opt) if (work_dir / "train_state.json").exists() else 0
+    wrapped: nn.Module = _BatchLoss(model, objective)
+    if world > 1:
+        wrapped = nn.parallel.DistributedDataParallel(wrapped, find_unused_parameters=True)
+    batches = global_batches(len(sequences), cfg.batch, cfg.seed)
+    for _ in range(step):
+        next(batches)
+    log = open(log_path, "a", encoding="utf-8") if (log_path and rank == 0) else None
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, mininterval=5)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    tokens_seen, start, last = 0, time.perf_counter(), {}
+    end = min(cfg.steps, stop_after) if stop_after is not None else cfg.steps
+    while step < end:
+        idx = next(batches)
+        mine = list(range(rank, cfg.batch, world))
+        seqs = [sequences[idx[i]] for i in mine]
+        gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * cfg.batch + i) for i in mine]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        with autocast:
+            loss, stats = wrapped(target_model, seqs, gens, cfg.objective_kwargs)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        step += 1
+        tokens_seen += sum(int(s[0].numel()) for s in seqs) * world
+        if rank == 0:
+            last = {"step": step, "lr": opt.param_groups[0]["lr"], "loss": loss.item(), "grad_norm": grad_norm.item(),
+                    "tokens_per_s": tokens_seen / (time.perf_counter() - start)}
+            if stats:
+                for key in stats[0]:
+                    vals = torch.stack([s[key].float() for s in stats]).mean(0)
+                    last[key] = vals.tolist() if vals.ndim else float(vals)
+            if log:
+                log.write(json.dumps(last) + "\n")
+                log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{last['loss']:.3f}")
+        if step % cfg.ckpt_every == 0 or step == end:
+            if rank == 0:
+                save_train_state(work_dir, model, opt, step, {"config": asdict(cfg) | {"objective_kwargs": {}}})
+            if world > 1:
+                dist.barrier()
+    bar.close()
+    if log:
+        log.close()
+    return last

@@ -1,0 +1,116 @@
+"""Drafter training: anchored blocks and masks, losses, exact resume, DDP equals single-process."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dspark.drafters.block import BlockDrafter
+from dspark.target import CausalLM
+from dspark.training.block_objective import block_drafter_loss, target_pass
+from dspark.training.blocks import build_blocks, sample_anchors
+from dspark.training.losses import DFLASH_WEIGHTS, LossWeights, drafter_loss, position_weights
+from dspark.training.trainer import train
+from tests.training_fixtures import tiny_setup
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_anchors_lie_inside_answers():
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 1, 1])
+    anchors = sample_anchors(mask, 100, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == [3, 4, 5, 8]
+    assert len(sample_anchors(mask, 2, torch.Generator().manual_seed(0))) == 2
+
+
+def test_block_mask_labels_and_validity():
+    ids = torch.arange(10, 22)  # S = 12
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    b = build_blocks(ids, mask, torch.tensor([2, 8]), block_size=4, mask_token_id=99)
+    assert b.input_ids.tolist() == [12, 99, 99, 99, 18, 99, 99, 99]
+    assert b.positions.tolist() == [2, 3, 4, 5, 8, 9, 10, 11]
+    assert b.labels[0].tolist() == [13, 14, 15, 16]
+    assert b.valid[1].tolist() == [True, True, True, False]  # label 12 is past the sequence
+    assert b.prev_ids[0].tolist() == [12, 13, 14, 15]  # teacher-forced previous tokens
+    # block 0 sees context 0..1 and its own 4 slots; block 1 sees context 0..7 and its own slots
+    assert b.mask[0, :12].tolist() == [True] * 2 + [False] * 10
+    assert b.mask[5, :12].tolist() == [True] * 8 + [False] * 4
+    assert b.mask[0, 12:].tolist() == [True] * 4 + [False] * 4
+    assert b.mask[6, 12:].tolist() == [False] * 4 + [True] * 4
+
+
+def test_losses_weights_and_confidence_target():
+    w = position_weights(torch.ones(1, 7, dtype=torch.bool), 4.0)
+    assert torch.allclose(w[0], torch.exp(-torch.arange(7) / 4.0))
+    assert position_weights(torch.ones(1, 3, dtype=torch.bool), None).tolist() == [[1.0, 1.0, 1.0]]
+    draft = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    target = torch.tensor([[[0.0, 2.0, 0.0], [0.0, 0.0, 0.0]]])
+    valid = torch.tensor([[True, True]])
+    labels = torch.tensor([[1, 0]])
+    conf = torch.zeros(1, 2)
+    total, stats = drafter_loss(draft, target, labels, valid, LossWeights(0.1, 0.9, 1.0, 4.0), conf)
+    pd, pt = torch.softmax(draft[0, 0], -1), torch.softmax(target[0, 0], -1)
+    l1 = (pd - pt).abs().sum()
+    w = torch.tensor([1.0, math.exp(-0.25)])
+    assert torch.allclose(stats["tv"], w[0] * l1 / w.sum())
+    assert torch.allclose(stats["accept_rate"], torch.stack([1 - 0.5 * l1, torch.tensor(1.0)]))
+    ce0 = -torch.log_softmax(draft[0, 0], -1)[1]
+    ce1 = -torch.log_softmax(draft[0, 1], -1)[0]
+    assert torch.allclose(stats["ce"], (w[0] * ce0 + w[1] * ce1) / w.sum())
+    c_star = torch.stack([1 - 0.5 * l1, torch.tensor(1.0)])
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(conf[0], c_star, reduction="none")
+    assert torch.allclose(stats["conf"], (w * bce).sum() / w.sum())
+    assert torch.allclose(total, 0.1 * stats["ce"] + 0.9 * stats["tv"] + stats["conf"])
+    total, stats = drafter_loss(draft, target, labels, valid, DFLASH_WEIGHTS)
+    assert torch.allclose(total, stats["ce"]) and "conf" not in stats
+
+
+def test_training_blocks_equal_inference_blocks():
+    target, model, seqs, _ = tiny_setup()
+    ids, mask = seqs[5]
+    a = 14
+    lm = CausalLM(target, feature_layers=model.cfg.target_layer_ids)
+    lm.reset(1)
+    pre = lm.forward([ids[:a].tolist()], features=True)
+    drafter = BlockDrafter(model, lm)
+    drafter.start([ids[: a + 1].tolist()], pre.features)
+    h_inf = drafter.block_hidden([ids[: a + 1].tolist()])
+    feats, _ = target_pass(target, ids, model.cfg.target_layer_ids)
+    b = build_blocks(ids, mask, torch.tensor([9, a]), model.cfg.block_size, model.cfg.mask_token_id)
+    ctx = model.context_kv(feats.unsqueeze(0), torch.arange(len(ids)).unsqueeze(0))
+    with torch.no_grad():
+        h = model(target.get_input_embeddings()(b.input_ids).unsqueeze(0), b.positions.unsqueeze(0), ctx, b.mask.unsqueeze(0))
+    torch.testing.assert_close(h[0, 4:8], h_inf[0], atol=1e-5, rtol=1e-5)
+
+
+def test_training_reduces_loss_and_resumes_exactly(tmp_path):
+    target, model, seqs, cfg = tiny_setup()
+    cfg.steps = 8
+    train(model, target, seqs, block_drafter_loss, cfg, tmp_path / "a", log_path=tmp_path / "a.jsonl")
+    full = [json.loads(l) for l in open(tmp_path / "a.jsonl")]
+    assert full[-1]["loss"] < full[0]["loss"]
+    assert len(full[0]["accept_rate"]) == 4 and len(full[0]["conf_pred"]) == 4
+    _, model_b, _, _ = tiny_setup()
+    train(model_b, target, seqs, block_drafter_loss, cfg, tmp_path / "b", log_path=tmp_path / "b.jsonl", stop_after=3)
+    _, model_c, _, _ = tiny_setup()  # a new process rebuilds the model, then finds the saved state
+    train(model_c, target, seqs, block_drafter_loss, cfg, tmp_path / "b", log_path=tmp_path / "b.jsonl")
+    resumed = [json.loads(l)["loss"] for l in open(tmp_path / "b.jsonl")]
+    assert resumed == [r["loss"] for r in full]
+    for p, q in zip(model.parameters(), model_c.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_ddp_two_processes_equal_single_process(tmp_path):
+    target, model, seqs, cfg = tiny_setup()
+    train(model, target, seqs, block_drafter_loss, cfg, tmp_path / "single")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+           str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path)]
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    ddp = load_file(str(tmp_path / "ddp.safetensors"))
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(ddp[name], p, atol=1e-5, rtol=1e-4)
