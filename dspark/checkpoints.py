@@ -161,3 +161,49 @@ def load_block_drafter_model(path: str | Path, target: CausalLM) -> DSparkModel:
         raise CheckpointMismatch(f"checkpoint {path} does not match its config: missing {missing[:5]}, "
                                  f"unexpected {unexpected[:5]}")
     return model.to(device=target.device, dtype=target.dtype)
+
+
+def export_speculators(
+    model: DSparkModel, path: str | Path, target: CausalLM, verifier_name_or_path: str, version: str = "0.3.0"
+) -> Path:
+    """Write the drafter with a vLLM `speculators_config` block (method dspark or dflash) for serving at scale."""
+    c = model.cfg
+    method = "dspark" if (c.markov_rank > 0 or c.enable_confidence_head) else "dflash"
+    tcfg = target.model.config
+    extra = {
+        "speculators_model_type": method,
+        "speculators_version": version,
+        "speculators_config": {
+            "algorithm": method,
+            "proposal_methods": [{
+                "proposal_type": "greedy",
+                "speculative_tokens": c.num_drafts,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier_name_or_path,
+                         "architectures": list(tcfg.architectures or [type(target.model).__name__])},
+        },
+        "transformer_layer_config": {
+            "model_type": "qwen3",
+            "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size,
+        },
+        "draft_vocab_size": c.vocab_size,
+        "target_hidden_size": int(tcfg.hidden_size),
+        "aux_hidden_state_layer_ids": list(c.target_layer_ids),
+        "sample_from_anchor": c.slot_convention == "next",
+    }
+    if method == "dspark":
+        extra["confidence_head_with_markov"] = c.confidence_head_with_markov
+        extra["markov_head_type"] = c.markov_head_type
+    return save_block_drafter(model, path, target, extra)
