@@ -175,7 +175,7 @@ def train(
                     "tokens_per_s": tokens_seen / (time.perf_counter() - start)}
             if stats:
                 for key in stats[0]:
-                    vals = torch.stack([s[key].float() for s in stats]).mean(0)
+                    vals = torch.stack([s[key].float() for s in stats]).nanmean(0)
                     last[key] = vals.tolist() if vals.ndim else float(vals)
             if log:
                 log.write(json.dumps(last) + "\n")
