@@ -92,6 +92,11 @@ def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None =
 
         model = load_block_drafter_model(path, target)
         return BlockDrafter(model, target, name=path.name, max_drafts=gamma)
+    if (raw.get("architectures") or [""])[0] in ("Qwen3Eagle3Model", "Eagle3DraftModel"):
+        from dspark.checkpoints import load_eagle3_model
+        from dspark.drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(load_eagle3_model(path, target), target, gamma=gamma)
     draft = load_causal_lm(path, target.dtype, str(target.device))
     _check_same_tokenizer(target, draft, str(path))
     return DraftModelDrafter(draft, gamma=gamma or 4)

@@ -81,19 +81,7 @@ def block_config_from_dict(cfg: dict) -> DFlashConfig:
 
 def check_fits_target(cfg: DFlashConfig, target: CausalLM, num_target_layers: int | None = None) -> None:
     """Raise CheckpointMismatch naming the field and both values when the drafter does not fit the target."""
-    tcfg = target.model.config
-    t_layers = int(tcfg.num_hidden_layers)
-    problems = []
-    if cfg.hidden_size != int(tcfg.hidden_size):
-        problems.append(f"hidden_size is {cfg.hidden_size} in the drafter but {tcfg.hidden_size} in the target")
-    if cfg.vocab_size != target.vocab_size:
-        problems.append(f"vocab_size is {cfg.vocab_size} in the drafter but {target.vocab_size} in the target")
-    if num_target_layers is not None and num_target_layers != t_layers:
-        problems.append(f"num_target_layers is {num_target_layers} in the drafter but the target has {t_layers} layers")
-    bad = [i for i in cfg.target_layer_ids if i < -1 or i >= t_layers - 1]
-    if bad:
-        problems.append(f"target_layer_ids {cfg.target_layer_ids} include {bad}, outside [-1, {t_layers - 2}] "
-                        f"for a {t_layers}-layer target (the final layer is post-norm)")
+    problems = _check_common(cfg.hidden_size, cfg.vocab_size, cfg.target_layer_ids, target, num_target_layers)
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         problems.append(f"mask_token_id is {cfg.mask_token_id} in the drafter but the target's vocabulary has "
                         f"{target.vocab_size} rows")
@@ -207,3 +195,82 @@ def export_speculators(
         extra["confidence_head_with_markov"] = c.confidence_head_with_markov
         extra["markov_head_type"] = c.markov_head_type
     return save_block_drafter(model, path, target, extra)
+
+
+def eagle3_config_from_dict(cfg: dict) -> "Eagle3Config":
+    """Eagle3Config from a DeepSpec `Qwen3Eagle3Model` (or dspark) config dict."""
+    from dspark.drafters.eagle3 import Eagle3Config
+
+    if int(cfg.get("draft_num_hidden_layers", 1)) != 1:
+        raise ValueError(f"EAGLE-3 drafters have one layer; config says {cfg['draft_num_hidden_layers']}")
+    heads = int(cfg["num_attention_heads"])
+    return Eagle3Config(
+        hidden_size=int(cfg["hidden_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        target_layer_ids=[int(i) for i in cfg["target_layer_ids"]],
+        ttt_length=int(cfg.get("ttt_length", 7)),
+        step_loss_decay=float(cfg.get("step_loss_decay", 0.8)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+    )
+
+
+def _check_common(hidden: int, vocab: int, layer_ids: list[int], target: CausalLM, num_target_layers) -> list[str]:
+    t_layers = int(target.model.config.num_hidden_layers)
+    problems = []
+    if hidden != int(target.model.config.hidden_size):
+        problems.append(f"hidden_size is {hidden} in the drafter but {target.model.config.hidden_size} in the target")
+    if vocab != target.vocab_size:
+        problems.append(f"vocab_size is {vocab} in the drafter but {target.vocab_size} in the target")
+    if num_target_layers is not None and int(num_target_layers) != t_layers:
+        problems.append(f"num_target_layers is {num_target_layers} in the drafter but the target has {t_layers} layers")
+    bad = [i for i in layer_ids if i < -1 or i >= t_layers - 1]
+    if bad:
+        problems.append(f"target_layer_ids {layer_ids} include {bad}, outside [-1, {t_layers - 2}] "
+                        f"for a {t_layers}-layer target (the final layer is post-norm)")
+    return problems
+
+
+def save_eagle3_drafter(model, path: str | Path, target: CausalLM, target_name: str = "") -> Path:
+    """Write an EAGLE-3 drafter in DeepSpec's `Qwen3Eagle3Model` layout (no target copies)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    c = model.cfg
+    cfg = {
+        "architectures": ["Qwen3Eagle3Model"], "model_type": "qwen3",
+        "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+        "draft_num_hidden_layers": 1, "ttt_length": c.ttt_length, "step_loss_decay": c.step_loss_decay,
+        "target_layer_ids": list(c.target_layer_ids), "num_target_layers": int(target.model.config.num_hidden_layers),
+        "target_model_name_or_path": target_name, "tie_word_embeddings": False,
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def load_eagle3_model(path: str | Path, target: CausalLM):
+    """Load a DeepSpec / dspark EAGLE-3 drafter for `target`, checking that it fits."""
+    from dspark.drafters.eagle3 import Eagle3Model
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    cfg = eagle3_config_from_dict(raw)
+    problems = _check_common(cfg.hidden_size, cfg.vocab_size, cfg.target_layer_ids, target, raw.get("num_target_layers"))
+    if problems:
+        raise CheckpointMismatch("drafter does not fit the target: " + "; ".join(problems))
+    weights = {k: v for k, v in load_file(str(path / "model.safetensors")).items() if k not in SHARED_KEYS}
+    model = Eagle3Model(cfg)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointMismatch(f"checkpoint {path} does not match its config: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}")
+    return model.to(device=target.device, dtype=target.dtype)

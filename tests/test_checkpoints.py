@@ -194,3 +194,34 @@ def test_export_speculators_config(tmp_path, target):
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
     # and it still loads as a dspark drafter
     assert isinstance(dspark.load_drafter(str(tmp_path), target), BlockDrafter)
+
+
+def deepspec_eagle3(path, target):
+    cfg = qwen3_fields(1) | {
+        "architectures": ["Qwen3Eagle3Model"], "draft_num_hidden_layers": 1, "ttt_length": 7, "step_loss_decay": 0.8,
+        "target_layer_ids": [0, 2, 4], "target_model_name_or_path": "tiny", "num_target_layers": 6,
+    }
+    p = "layers.0."
+    shapes = {
+        "fc.weight": (D, 3 * D), "norm.weight": (D,), "embed_tokens.weight": (V, D), "lm_head.weight": (V, D),
+        p + "self_attn.q_proj.weight": (H * HD, 2 * D), p + "self_attn.k_proj.weight": (KV * HD, 2 * D),
+        p + "self_attn.v_proj.weight": (KV * HD, 2 * D), p + "self_attn.o_proj.weight": (D, H * HD),
+        p + "self_attn.q_norm.weight": (HD,), p + "self_attn.k_norm.weight": (HD,),
+        p + "hidden_norm.weight": (D,), p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+        p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D), p + "mlp.down_proj.weight": (D, I),
+    }
+    write_checkpoint(path, cfg, shapes, target)
+
+
+def test_deepspec_eagle3_checkpoint(tmp_path, target):
+    from dspark.drafters.eagle3 import Eagle3Drafter
+
+    deepspec_eagle3(tmp_path, target)
+    drafter = dspark.load_drafter(str(tmp_path), target)
+    assert isinstance(drafter, Eagle3Drafter) and drafter.gamma == 7
+    assert_lossless(target, drafter, expected_drafts=7)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hidden_size"] = 48
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="hidden_size is 48 in the drafter but 64 in the target"):
+        dspark.load_drafter(str(tmp_path), target)
