@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -75,7 +76,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
         gamma=args.gamma,
         json_path=args.json,
         seed=args.seed,
+        plot_path=args.plot,
     )
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from dspark.sampling import SamplingParams
+    from dspark.training.data import read_prompts, regenerate
+
+    target = load_target(args.target, args.dtype, args.device)
+    drafter = load_drafter(args.drafter, target, args.gamma)
+    prompts = [p for path in args.prompts for p in read_prompts(path, args.limit)]
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    regenerate(target, drafter, prompts, args.out, sampling, args.max_new_tokens, args.batch_size, args.seed)
+    print(f"wrote {len(prompts)} regenerated conversations to {args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dspark.training.recipes import train_drafter
+    from dspark.training.trainer import TrainConfig
+
+    target = load_target(args.target, "float32", args.device)
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, ckpt_every=args.ckpt_every,
+                      bf16=not args.no_bf16)
+    last = train_drafter(args.kind, target, args.data, args.out, cfg, layers=args.layers, block_size=args.block_size,
+                         markov_rank=args.markov_rank, num_anchors=args.num_anchors)
+    print(f"trained {args.kind}: {json.dumps(last)}")
     return 0
 
 
@@ -104,8 +132,40 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
+    b.add_argument("--plot", default=None, help="write a PNG of per-position acceptance per drafter")
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
+    r = sub.add_parser("regenerate", help="answer prompts with the target (drafter training data)")
+    r.add_argument("prompts", nargs="+", help="JSONL files of {turns: [...]} or {conversations: [...]}")
+    r.add_argument("--out", required=True)
+    r.add_argument("--limit", type=int, default=None, help="prompts per file")
+    r.add_argument("--drafter", default="draft-model", help="drafter that speeds up regeneration (lossless)")
+    r.add_argument("--temperature", type=float, default=0.7)
+    r.add_argument("--top-k", type=int, default=20)
+    r.add_argument("--top-p", type=float, default=0.8)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--batch-size", type=int, default=16)
+    r.add_argument("--seed", type=int, default=0)
+    _add_model_args(r)
+    r.set_defaults(func=cmd_regenerate)
+
+    t = sub.add_parser("train", help="train a drafter for the target on regenerated data (torchrun for DDP)")
+    t.add_argument("kind", choices=["dflash", "dspark", "dspark-rnn", "eagle3"])
+    t.add_argument("--data", required=True, help="JSONL written by `dspark regenerate`")
+    t.add_argument("--out", required=True)
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch", type=int, default=8, help="global sequences per step")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--layers", type=int, default=1, help="draft layers (block drafters)")
+    t.add_argument("--block-size", type=int, default=7)
+    t.add_argument("--markov-rank", type=int, default=64)
+    t.add_argument("--num-anchors", type=int, default=64)
+    t.add_argument("--ckpt-every", type=int, default=50)
+    t.add_argument("--seed", type=int, default=42)
+    t.add_argument("--no-bf16", action="store_true")
+    t.add_argument("--target", default=None)
+    t.add_argument("--device", default="cpu")
+    t.set_defaults(func=cmd_train)
     return parser
 
 

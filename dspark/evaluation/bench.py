@@ -43,6 +43,7 @@ def run_bench(
     gamma: int | None = None,
     json_path: str | None = None,
     seed: int = 0,
+    plot_path: str | None = None,
 ) -> dict:
     """Benchmark drafters; print a table and return (and optionally write) the results as a dict."""
     if "none" not in drafters:
@@ -85,9 +86,52 @@ def run_bench(
                     row["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
                 results["runs"].append(row)
             print(_format_block(temp, domain, [r for r in results["runs"] if r["temperature"] == temp and r["domain"] == domain]), flush=True)
+    for temp in temperatures:
+        for name in drafters:
+            rows = [r for r in results["runs"] if r["temperature"] == temp and r["drafter"] == name]
+            results.setdefault("macro", []).append({
+                "temperature": temp, "drafter": name,
+                "tau": sum(r["tau"] for r in rows) / len(rows),
+                "speedup": sum(r["speedup"] for r in rows) / len(rows),
+            })
+    print("\n== macro average over domains")
+    for m in results["macro"]:
+        print(f"T={m['temperature']:<4} {m['drafter']:<14} tau={m['tau']:.2f} speedup={m['speedup']:.2f}x")
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
+    if plot_path:
+        plot_acceptance(results, plot_path)
     return results
+
+
+def plot_acceptance(results: dict, path: str) -> None:
+    """PNG of conditional per-position acceptance per drafter, averaged over domains, one panel per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in results["runs"]})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.6), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        names = [n for n in dict.fromkeys(r["drafter"] for r in results["runs"]) if n != "none"]
+        for name in names:
+            rows = [r["conditional_acceptance"] for r in results["runs"]
+                    if r["temperature"] == temp and r["drafter"] == name and r["conditional_acceptance"]]
+            if not rows:
+                continue
+            width = min(len(r) for r in rows)
+            mean = [sum(r[k] for r in rows) / len(rows) for k in range(width)]
+            ax.plot(range(1, width + 1), mean, marker="o", label=name)
+        ax.set_title(f"temperature {temp}")
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _format_block(temp: float, domain: str, rows: list[dict]) -> str:

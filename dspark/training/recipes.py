@@ -1,0 +1,110 @@
+"""Drafter recipes: build a DFlash / DSpark / DSpark-RNN / EAGLE-3 drafter sized for a target, train, save."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.checkpoints import save_block_drafter, save_eagle3_drafter
+from dspark.drafters.block import DSparkModel
+from dspark.drafters.dflash_model import DFlashConfig
+from dspark.drafters.eagle3 import Eagle3Config, Eagle3Model
+from dspark.target import CausalLM
+from dspark.training.block_objective import block_drafter_loss
+from dspark.training.data import load_sequences
+from dspark.training.eagle3_objective import eagle3_loss
+from dspark.training.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS
+from dspark.training.trainer import TrainConfig, train
+
+KINDS = ("dflash", "dspark", "dspark-rnn", "eagle3")
+
+
+def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """Target layers spread evenly from layer 1 to L−3 (the z-lab rule); the middle layer when count is 1."""
+    if count == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count)]
+
+
+def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int = 7, markov_rank: int = 64,
+                  num_feature_layers: int = 5) -> torch.nn.Module:
+    """A fresh drafter of `kind` whose width, heads and vocabulary follow the target's config."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown drafter kind {kind!r}; choose one of {', '.join(KINDS)}")
+    tc = target.model.config
+    common = dict(
+        hidden_size=int(tc.hidden_size), num_attention_heads=int(tc.num_attention_heads),
+        num_key_value_heads=int(getattr(tc, "num_key_value_heads", tc.num_attention_heads)),
+        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads),
+        intermediate_size=int(tc.intermediate_size), vocab_size=target.vocab_size,
+        target_layer_ids=spread_layer_ids(int(tc.num_hidden_layers), num_feature_layers),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+        rope_theta=float(getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        max_position_embeddings=int(tc.max_position_embeddings),
+    )
+    if kind == "eagle3":
+        return Eagle3Model(Eagle3Config(**common, ttt_length=block_size))
+    mask_id = getattr(target.tokenizer, "mask_token_id", None)
+    if mask_id is None:
+        raise ValueError("the target's tokenizer has no mask token; block drafters need one")
+    cfg = DFlashConfig(
+        **common, num_hidden_layers=layers, mask_token_id=int(mask_id), block_size=block_size,
+        markov_rank=0 if kind == "dflash" else markov_rank,
+        markov_head_type="rnn" if kind == "dspark-rnn" else "vanilla",
+        enable_confidence_head=kind != "dflash",
+    )
+    return DSparkModel(cfg)
+
+
+def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path, cfg: TrainConfig,
+                  layers: int = 1, block_size: int = 7, markov_rank: int = 64, max_len: int = 768,
+                  num_anchors: int = 64) -> dict:
+    """Train a drafter of `kind` on regenerated data and save it with a card; return the last log entry."""
+    out = Path(out)
+    torch.manual_seed(cfg.seed)
+    model = build_drafter(kind, target, layers, block_size, markov_rank).to(target.device)
+    sequences = [s for s in load_sequences(data, max_len) if int(s[1].sum()) >= 16]
+    if kind == "eagle3":
+        objective = eagle3_loss
+        cfg.objective_kwargs = {}
+    else:
+        objective = block_drafter_loss
+        cfg.objective_kwargs = {"num_anchors": num_anchors, "weights": DFLASH_WEIGHTS if kind == "dflash" else DSPARK_WEIGHTS}
+    start = time.perf_counter()
+    last = train(model, target.model, sequences, objective, cfg, out / "_train_state", log_path=out / "train_log.jsonl")
+    seconds = time.perf_counter() - start
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return last
+    if kind == "eagle3":
+        save_eagle3_drafter(model, out, target)
+    else:
+        save_block_drafter(model, out, target)
+    params = sum(p.numel() for p in model.parameters())
+    peak = _peak_rss_mb()
+    card = [
+        f"# {kind} drafter for the bundled target", "",
+        f"- parameters: {params / 1e6:.2f}M trainable (the target's embedding and LM head are shared, frozen)",
+        f"- architecture: {json.dumps({k: v for k, v in model.cfg.to_dict().items() if k != 'extra'})}",
+        f"- data: {data} ({len(sequences)} target-regenerated conversations, answers only in the loss)",
+        f"- training: {cfg.steps} steps x {cfg.batch} sequences, lr {cfg.lr}, warm-up {cfg.warmup_frac:.0%} then cosine, "
+        f"AdamW, clip {cfg.max_grad_norm}, bf16 autocast: {cfg.bf16}, seed {cfg.seed}",
+        f"- training speed: {last.get('tokens_per_s', 0):.0f} sequence tokens/s; {seconds / 60:.1f} minutes; "
+        f"peak RSS {peak:.0f} MB (2 CPU cores)",
+        f"- final loss {last.get('loss', float('nan')):.3f}; predicted per-position acceptance (last step): "
+        f"{[round(a, 3) for a in last.get('accept_rate', [])]}",
+        "", "Built with:", "", "```", " ".join(shlex.quote(a) for a in sys.argv), "```", "",
+    ]
+    (out / "README.md").write_text("\n".join(card))
+    return last
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
