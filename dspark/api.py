@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from dspark.decoding import GenerationResult, decode
 from dspark.drafters.base import Drafter, NoDrafter
@@ -37,6 +38,7 @@ def load_causal_lm(
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no model at {path}: expected a Hugging Face folder with config.json")
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).to(device)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     return CausalLM(model, tokenizer, feature_layers=feature_layers)

@@ -127,7 +127,8 @@ def write_card(out: Path, args, model, tokens_seen: int, seconds: float, losses:
         f"- training: {tokens_seen / 1e6:.2f}M tokens of the bundled corpus (code, prose, math; see "
         f"`scripts/build_corpus.py`), sequence length {args.seq_len}, batch {args.batch}, AdamW lr {args.lr}, "
         f"bf16 autocast, seed {args.seed}; {seconds / 60:.1f} minutes on 2 CPU cores",
-        "- held-out cross-entropy on answer tokens (nats/token, first 200 held-out conversations per domain): "
+        "- held-out cross-entropy on answer tokens (nats/token, first 200 held-out conversations per domain, "
+        "float32 weights before the bf16 rounding they are stored with): "
         + ", ".join(f"{d} {v:.3f}" for d, v in losses.items()),
         "",
         "Built with:",
@@ -191,7 +192,8 @@ def main() -> None:
         print(f"resumed at step {step}", flush=True)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed))
     start = time.time()
-    log = open(args.out.parent / f"{args.out.name}_train_log.jsonl", "a") if args.out.parent.exists() else None
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = open(args.out / "train_log.jsonl", "a")
     bar = tqdm(range(step, steps), initial=step, total=steps, desc="train", mininterval=10)
     for step in bar:
         idx = [(step * args.batch + i) % len(data) for i in range(args.batch)]
@@ -218,7 +220,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(args.out)
+    model.to(torch.bfloat16).save_pretrained(args.out)  # bf16 on disk keeps the zoo small
     tokenizer.save_pretrained(args.out)
     write_card(args.out, args, model, steps * args.batch * args.seq_len, seconds, losses)
     for f in ckpt.glob("*"):

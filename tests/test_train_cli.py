@@ -1,0 +1,42 @@
+"""End to end on the bundled target: regenerate answers, train each drafter kind briefly, load it, decode losslessly."""
+import json
+
+import pytest
+
+import dspark
+from dspark.cli import main
+from dspark.decoding import decode
+from dspark.drafters import NoDrafter
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory):
+    d = tmp_path_factory.mktemp("regen")
+    prompts = d / "prompts.jsonl"
+    rows = [{"turns": ["Write a Python function that adds two numbers."]},
+            {"conversations": [{"role": "user", "content": "What is a dictionary in Python?"}]},
+            {"turns": ["Tom has 3 bags of 12 apples. How many apples does he have?"]}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = d / "regen.jsonl"
+    assert main(["regenerate", str(prompts), "--out", str(out), "--max-new-tokens", "40", "--drafter", "ngram",
+                 "--dtype", "float32"]) == 0
+    data = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(data) == 3 and all(len(r["answer_ids"]) > 0 for r in data)
+    meta = json.loads((d / "regen.jsonl.meta.json").read_text())
+    assert meta["sampling"]["temperature"] == 0.7 and meta["sampling"]["top_k"] == 20
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_train_cli_produces_a_loadable_lossless_drafter(regenerated, tmp_path, kind, bundled_target):
+    out = tmp_path / kind
+    assert main(["train", kind, "--data", str(regenerated), "--out", str(out), "--steps", "2", "--batch", "2",
+                 "--num-anchors", "8", "--ckpt-every", "1"]) == 0
+    assert (out / "model.safetensors").exists() and (out / "README.md").exists()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and len(log[-1]["accept_rate"]) == 7
+    drafter = dspark.load_drafter(str(out), bundled_target)
+    ids = [bundled_target.tokenizer("def add(a, b):", add_special_tokens=False)["input_ids"]]
+    ref = decode(bundled_target, NoDrafter(), ids, max_new_tokens=24)
+    got = decode(bundled_target, drafter, ids, max_new_tokens=24)
+    assert got[0].token_ids == ref[0].token_ids
