@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dspark.api import encode_prompt
 from dspark.sampling import BatchSampling, SamplingParams, logits_to_probs
 from dspark.verify import verify
 
@@ -128,10 +129,9 @@ def test_wrong_verifier_is_caught():
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)],
                          ids=["T1", "T0.7-topk20-topp0.9"])
 def test_bundled_target_next_token_distribution(bundled_target, bundled_draft, params):
-    tok = bundled_target.tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": "Write a sentence about the sea."}],
-                                  add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    # a prompt where draft and target distributions overlap but differ (TV about 0.5), so a wrong
+    # verifier is visible; with disjoint supports every draft is rejected and the residual equals p
+    ids = encode_prompt(bundled_target, "What is a tuple?")
     with torch.no_grad():
         t_logits = bundled_target.model(input_ids=torch.tensor([ids])).logits[0, -1:].float()
         d_logits = bundled_draft.model(input_ids=torch.tensor([ids])).logits[0, -1:].float()

@@ -150,7 +150,10 @@ def train(
     batches = global_batches(len(sequences), cfg.batch, cfg.seed)
     for _ in range(step):
         next(batches)
-    log = open(log_path, "a", encoding="utf-8") if (log_path and rank == 0) else None
+    log = None
+    if log_path and rank == 0:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "a", encoding="utf-8")
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, mininterval=5)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     tokens_seen, start, last = 0, time.perf_counter(), {}
