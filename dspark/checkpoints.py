@@ -33,6 +33,22 @@ def _rope_theta(cfg: dict) -> float:
     return float(cfg.get("rope_theta", params.get("rope_theta", 1_000_000.0)))
 
 
+def shape_fields(cfg: dict) -> dict:
+    """The transformer-shape fields shared by drafter and HF target configs (attention, widths, RoPE)."""
+    heads = int(cfg["num_attention_heads"])
+    return dict(
+        hidden_size=int(cfg["hidden_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+    )
+
+
 def detect_format(cfg: dict) -> str:
     """'dspark' (DeepSpec layout), 'zlab-dflash' or 'eagle3' from a checkpoint's config dict."""
     arch = (cfg.get("architectures") or [""])[0]
@@ -55,22 +71,13 @@ def block_config_from_dict(cfg: dict) -> DFlashConfig:
     for key in ("target_layer_ids", "mask_token_id", "block_size"):
         if pick(key) is None:
             raise ValueError(f"drafter config lacks required field {key!r}")
-    heads = int(cfg["num_attention_heads"])
     rank = int(cfg.get("markov_rank", 0) or 0)
     return DFlashConfig(
-        hidden_size=int(cfg["hidden_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        intermediate_size=int(cfg["intermediate_size"]),
+        **shape_fields(cfg),
         num_hidden_layers=int(cfg["num_hidden_layers"]),
-        vocab_size=int(cfg["vocab_size"]),
         target_layer_ids=[int(i) for i in pick("target_layer_ids")],
         mask_token_id=int(pick("mask_token_id")),
         block_size=int(pick("block_size")),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         slot_convention=cfg.get("dspark_slot_convention", "self" if fmt == "zlab-dflash" else "next"),
         markov_rank=rank,
         markov_head_type=cfg.get("markov_head_type", "vanilla") if rank > 0 else "vanilla",
@@ -203,20 +210,11 @@ def eagle3_config_from_dict(cfg: dict) -> "Eagle3Config":
 
     if int(cfg.get("draft_num_hidden_layers", 1)) != 1:
         raise ValueError(f"EAGLE-3 drafters have one layer; config says {cfg['draft_num_hidden_layers']}")
-    heads = int(cfg["num_attention_heads"])
     return Eagle3Config(
-        hidden_size=int(cfg["hidden_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        intermediate_size=int(cfg["intermediate_size"]),
-        vocab_size=int(cfg["vocab_size"]),
+        **shape_fields(cfg),
         target_layer_ids=[int(i) for i in cfg["target_layer_ids"]],
         ttt_length=int(cfg.get("ttt_length", 7)),
         step_loss_decay=float(cfg.get("step_loss_decay", 0.8)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
     )
 
 

@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="run drafters side by side on the held-out prompts of each domain")
-    b.add_argument("--drafters", nargs="+", default=["none", "ngram", "draft-model"])
+    b.add_argument("--drafters", nargs="+", default=None,
+                   help="default: none, ngram and every bundled drafter present in the zoo")
     b.add_argument("--domains", nargs="+", default=["code", "prose", "math"])
     b.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     b.add_argument("--num-prompts", type=int, default=20, help="prompts per domain")

@@ -4,10 +4,10 @@
 # For several processes: replace `dspark train` by `torchrun --nproc-per-node N -m dspark.cli train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROMPTS=${PROMPTS:-1000}    # prompts per domain
-STEPS=${STEPS:-300}
+PROMPTS=${PROMPTS:-800}    # prompts per domain
+STEPS=${STEPS:-600}
 dspark regenerate data/corpus/code_train.jsonl data/corpus/prose_train.jsonl data/corpus/math_train.jsonl \
-    --limit "$PROMPTS" --out data/regen/train.jsonl --max-new-tokens 192 --drafter draft-model
-for kind in dflash dspark dspark-rnn eagle3; do
-    dspark train "$kind" --data data/regen/train.jsonl --out "zoo/$kind" --steps "$STEPS" --batch 8
+    --limit "$PROMPTS" --out data/regen/train.jsonl --max-new-tokens 160 --drafter draft-model
+for kind in dspark dflash eagle3 dspark-rnn; do
+    dspark train "$kind" --data data/regen/train.jsonl --out "zoo/$kind" --steps "$STEPS" --batch 8 --layers 2 --lr 1e-3
 done

@@ -38,6 +38,16 @@ def test_greedy_identity_random_models(arch, qwen3_target, llama_target):
     assert len(reference[0].token_ids) == 40
 
 
+def bundled_feature_drafters(target):
+    """The zoo's DFlash / DSpark / EAGLE-3 drafters that are present."""
+    import dspark
+    from dspark.api import BUNDLED_DRAFTERS
+    from dspark.zoo import bundled_drafter_path
+
+    names = [n for n in BUNDLED_DRAFTERS if n != "draft-model" and (bundled_drafter_path(n) / "config.json").exists()]
+    return [(n, dspark.load_drafter(n, target)) for n in names]
+
+
 def test_greedy_identity_bundled(bundled_target, bundled_draft):
     tok = bundled_target.tokenizer
     texts = ["Write a Python function that reverses a list.", "What is a tuple?",
@@ -46,7 +56,8 @@ def test_greedy_identity_bundled(bundled_target, bundled_draft):
                for t in texts]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     reference = decode(bundled_target, NoDrafter(), ids, max_new_tokens=48)
-    for name, drafter in [("ngram", NgramDrafter(4)), ("draft-model", DraftModelDrafter(bundled_draft, 4))]:
+    drafters = [("ngram", NgramDrafter(4)), ("draft-model", DraftModelDrafter(bundled_draft, 4))]
+    for name, drafter in drafters + bundled_feature_drafters(bundled_target):
         batched = decode(bundled_target, drafter, ids, max_new_tokens=48)
         assert [r.token_ids for r in batched] == [r.token_ids for r in reference], name
         single = decode(bundled_target, drafter, ids[:1], max_new_tokens=48)

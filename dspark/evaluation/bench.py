@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from dspark.api import encode_prompt, load_drafter, load_target
+from dspark.api import BUNDLED_DRAFTERS, encode_prompt, load_drafter, load_target
 from dspark.decoding import decode
 from dspark.evaluation.metrics import acceptance_stats
 from dspark.sampling import SamplingParams
-from dspark.zoo import eval_prompts_path
+from dspark.zoo import bundled_drafter_path, eval_prompts_path
 
 
 def load_eval_prompts(domain: str, limit: int) -> list[str]:
@@ -53,7 +53,7 @@ def _peak_rss_mb() -> float:
 
 
 def run_bench(
-    drafters: list[str],
+    drafters: list[str] | None,
     domains: list[str],
     temperatures: list[float],
     num_prompts: int = 20,
@@ -67,6 +67,8 @@ def run_bench(
     plot_path: str | None = None,
 ) -> dict:
     """Benchmark drafters; print a table and return (and optionally write) the results as a dict."""
+    if drafters is None:
+        drafters = ["none", "ngram"] + [n for n in BUNDLED_DRAFTERS if (bundled_drafter_path(n) / "config.json").exists()]
     if "none" not in drafters:
         drafters = ["none"] + list(drafters)
     target = load_target(target_path, dtype, device)
@@ -132,6 +134,7 @@ def plot_acceptance(results: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     temps = sorted({r["temperature"] for r in results["runs"]})
     fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.6), squeeze=False)
@@ -145,6 +148,7 @@ def plot_acceptance(results: dict, path: str) -> None:
             width = min(len(r) for r in rows)
             mean = [sum(r[k] for r in rows) / len(rows) for k in range(width)]
             ax.plot(range(1, width + 1), mean, marker="o", label=name)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"temperature {temp}")
         ax.set_xlabel("draft position k")
         ax.set_ylabel("P(accept k | 1..k-1 accepted)")
@@ -158,11 +162,12 @@ def plot_acceptance(results: dict, path: str) -> None:
 
 def _format_block(temp: float, domain: str, rows: list[dict]) -> str:
     lines = [f"\n== domain={domain} temperature={temp}",
-             f"{'drafter':<14}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'same':>7}{'rss MB':>8}  histogram (accepted drafts 0..γ)"]
+             f"{'drafter':<14}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'same':>7}{'rss MB':>8}  conditional acceptance by position"
+             " | histogram (accepted drafts 0..γ)"]
     for r in rows:
         same = f"{r['identical_to_target_only']:.2f}" if "identical_to_target_only" in r else "-"
         gaps = r.get("divergence_margins") or []
         note = f"  first-divergence logit gaps: max {max(gaps):.3f}, median {sorted(gaps)[len(gaps) // 2]:.3f}" if gaps else ""
         lines.append(f"{r['drafter']:<14}{r['tau']:>6.2f}{r['tok_per_s']:>9.1f}{r['speedup']:>8.2f}x{same:>7}"
-                     f"{r['peak_rss_mb']:>8.0f}  {r['histogram']}{note}")
+                     f"{r['peak_rss_mb']:>8.0f}  {[round(a, 2) for a in r['conditional_acceptance']]} | {r['histogram']}{note}")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.checkpoints import save_block_drafter, save_eagle3_drafter
+from dspark.checkpoints import save_block_drafter, save_eagle3_drafter, shape_fields
 from dspark.drafters.block import DSparkModel
 from dspark.drafters.dflash_model import DFlashConfig
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Model
@@ -36,16 +36,10 @@ def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int 
     if kind not in KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; choose one of {', '.join(KINDS)}")
     tc = target.model.config
-    common = dict(
-        hidden_size=int(tc.hidden_size), num_attention_heads=int(tc.num_attention_heads),
-        num_key_value_heads=int(getattr(tc, "num_key_value_heads", tc.num_attention_heads)),
-        head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads),
-        intermediate_size=int(tc.intermediate_size), vocab_size=target.vocab_size,
-        target_layer_ids=spread_layer_ids(int(tc.num_hidden_layers), num_feature_layers),
-        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-        rope_theta=float(getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
-        max_position_embeddings=int(tc.max_position_embeddings),
-    )
+    common = shape_fields(tc.to_dict()) | {
+        "vocab_size": target.vocab_size,
+        "target_layer_ids": spread_layer_ids(int(tc.num_hidden_layers), num_feature_layers),
+    }
     if kind == "eagle3":
         return Eagle3Model(Eagle3Config(**common, ttt_length=block_size))
     mask_id = getattr(target.tokenizer, "mask_token_id", None)
