@@ -96,8 +96,16 @@ def check_fits_target(cfg: DFlashConfig, target: CausalLM, num_target_layers: in
         raise CheckpointMismatch("drafter does not fit the target: " + "; ".join(problems))
 
 
-def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, extra: dict | None = None) -> Path:
-    """Write a block drafter as DeepSpec-layout config.json + model.safetensors (no target copies)."""
+def _weights(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    return {k: (v if dtype is None else v.to(dtype)).detach().contiguous().clone() for k, v in model.state_dict().items()}
+
+
+def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, extra: dict | None = None,
+                       dtype: torch.dtype | None = None) -> Path:
+    """Write a block drafter as DeepSpec-layout config.json + model.safetensors (no target copies).
+
+    dtype, when given, is the dtype of the stored weights (bf16 halves a zoo drafter's size).
+    """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = model.cfg
@@ -130,8 +138,7 @@ def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, e
         cfg["confidence_head_with_markov"] = c.confidence_head_with_markov
     cfg.update(extra or {})
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_weights(model, dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
@@ -234,7 +241,8 @@ def _check_common(hidden: int, vocab: int, layer_ids: list[int], target: CausalL
     return problems
 
 
-def save_eagle3_drafter(model, path: str | Path, target: CausalLM, target_name: str = "") -> Path:
+def save_eagle3_drafter(model, path: str | Path, target: CausalLM, target_name: str = "",
+                        dtype: torch.dtype | None = None) -> Path:
     """Write an EAGLE-3 drafter in DeepSpec's `Qwen3Eagle3Model` layout (no target copies)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -250,8 +258,7 @@ def save_eagle3_drafter(model, path: str | Path, target: CausalLM, target_name: 
         "target_model_name_or_path": target_name, "tie_word_embeddings": False,
     }
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()},
-              str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_weights(model, dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 

@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--layers", type=int, default=1, help="draft layers (block drafters)")
     t.add_argument("--block-size", type=int, default=7)
-    t.add_argument("--markov-rank", type=int, default=64)
+    t.add_argument("--markov-rank", type=int, default=32)
     t.add_argument("--num-anchors", type=int, default=64)
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)

@@ -9,5 +9,5 @@ STEPS=${STEPS:-600}
 dspark regenerate data/corpus/code_train.jsonl data/corpus/prose_train.jsonl data/corpus/math_train.jsonl \
     --limit "$PROMPTS" --out data/regen/train.jsonl --max-new-tokens 160 --drafter draft-model
 for kind in dspark dflash eagle3 dspark-rnn; do
-    dspark train "$kind" --data data/regen/train.jsonl --out "zoo/$kind" --steps "$STEPS" --batch 8 --layers 2 --lr 1e-3
+    dspark train "$kind" --data data/regen/train.jsonl --out "zoo/$kind" --steps "$STEPS" --batch 8 --layers 1 --lr 1e-3
 done

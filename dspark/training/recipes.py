@@ -30,7 +30,7 @@ def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count)]
 
 
-def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int = 7, markov_rank: int = 64,
+def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int = 7, markov_rank: int = 32,
                   num_feature_layers: int = 5) -> torch.nn.Module:
     """A fresh drafter of `kind` whose width, heads and vocabulary follow the target's config."""
     if kind not in KINDS:
@@ -55,8 +55,8 @@ def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int 
 
 
 def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path, cfg: TrainConfig,
-                  layers: int = 1, block_size: int = 7, markov_rank: int = 64, max_len: int = 768,
-                  num_anchors: int = 64) -> dict:
+                  layers: int = 1, block_size: int = 7, markov_rank: int = 32, max_len: int = 768,
+                  num_anchors: int = 64, save_dtype: torch.dtype | None = torch.bfloat16) -> dict:
     """Train a drafter of `kind` on regenerated data and save it with a card; return the last log entry."""
     out = Path(out)
     torch.manual_seed(cfg.seed)
@@ -76,14 +76,15 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
     if dist.is_initialized() and dist.get_rank() != 0:
         return last
     if kind == "eagle3":
-        save_eagle3_drafter(model, out, target)
+        save_eagle3_drafter(model, out, target, dtype=save_dtype)
     else:
-        save_block_drafter(model, out, target)
+        save_block_drafter(model, out, target, dtype=save_dtype)
     params = sum(p.numel() for p in model.parameters())
     peak = _peak_rss_mb()
     card = [
         f"# {kind} drafter for the bundled target", "",
-        f"- parameters: {params / 1e6:.2f}M trainable (the target's embedding and LM head are shared, frozen)",
+        f"- parameters: {params / 1e6:.2f}M trainable (the target's embedding and LM head are shared, frozen); "
+        f"stored as {str(save_dtype or model.fc.weight.dtype).replace('torch.', '')}",
         f"- architecture: {json.dumps({k: v for k, v in model.cfg.to_dict().items() if k != 'extra'})}",
         f"- data: {data} ({len(sequences)} target-regenerated conversations, answers only in the loss)",
         f"- training: {cfg.steps} steps x {cfg.batch} sequences, lr {cfg.lr}, warm-up {cfg.warmup_frac:.0%} then cosine, "

@@ -146,7 +146,7 @@ def train(
     step = load_train_state(work_dir, model, opt) if (work_dir / "train_state.json").exists() else 0
     wrapped: nn.Module = _BatchLoss(model, objective)
     if world > 1:
-        wrapped = nn.parallel.DistributedDataParallel(wrapped, find_unused_parameters=True)
+        wrapped = nn.parallel.DistributedDataParallel(wrapped)  # every parameter is in every loss
     batches = global_batches(len(sequences), cfg.batch, cfg.seed)
     for _ in range(step):
         next(batches)
