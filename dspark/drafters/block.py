@@ -154,9 +154,10 @@ class BlockDrafter(Drafter):
         prev = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
         state = head.init_state(num_rows, device, h.dtype) if head is not None else None
         tokens = torch.zeros(num_rows, gamma, dtype=torch.long, device=device)
-        probs = torch.zeros_like(base)
         conf = torch.zeros(num_rows, gamma, device=device) if conf_head is not None else None
         greedy = sampling.greedy.tolist()
+        all_greedy = all(greedy)  # greedy verification ignores q, so skip building it
+        probs = None if all_greedy else torch.zeros_like(base)
         for k in range(gamma):
             logits = base[:, k]
             if head is not None:
@@ -164,10 +165,13 @@ class BlockDrafter(Drafter):
                 logits = logits + bias.float()
             if conf_head is not None:
                 conf[:, k] = torch.sigmoid(conf_head(h[:, k], self.model.prev_embed(prev)).float())
-            q = logits_to_probs(logits.unsqueeze(1), sampling).squeeze(1)
-            probs[:, k] = q
-            for r in range(num_rows):
-                tokens[r, k] = q[r].argmax() if greedy[r] else torch.multinomial(q[r], 1, generator=generators[r])[0]
+            if all_greedy:
+                tokens[:, k] = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits.unsqueeze(1), sampling).squeeze(1)
+                probs[:, k] = q
+                for r in range(num_rows):
+                    tokens[r, k] = q[r].argmax() if greedy[r] else torch.multinomial(q[r], 1, generator=generators[r])[0]
             prev = tokens[:, k]
         lengths = torch.full((num_rows,), gamma, dtype=torch.long, device=device)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, confidences=conf)
