@@ -154,7 +154,6 @@ class BlockDrafter(Drafter):
         prev = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
         state = head.init_state(num_rows, device, h.dtype) if head is not None else None
         tokens = torch.zeros(num_rows, gamma, dtype=torch.long, device=device)
-        conf = torch.zeros(num_rows, gamma, device=device) if conf_head is not None else None
         greedy = sampling.greedy.tolist()
         all_greedy = all(greedy)  # greedy verification ignores q, so skip building it
         probs = None if all_greedy else torch.zeros_like(base)
@@ -163,8 +162,6 @@ class BlockDrafter(Drafter):
             if head is not None:
                 bias, state = head.step(h[:, k], prev, state)
                 logits = logits + bias.float()
-            if conf_head is not None:
-                conf[:, k] = torch.sigmoid(conf_head(h[:, k], self.model.prev_embed(prev)).float())
             if all_greedy:
                 tokens[:, k] = logits.argmax(-1)
             else:
@@ -173,5 +170,9 @@ class BlockDrafter(Drafter):
                 for r in range(num_rows):
                     tokens[r, k] = q[r].argmax() if greedy[r] else torch.multinomial(q[r], 1, generator=generators[r])[0]
             prev = tokens[:, k]
+        conf = None
+        if conf_head is not None:  # c_k reads x_{k-1}, all known now: one batched call for the block
+            prev_all = torch.cat([tokens.new_tensor([s[-1] for s in sequences]).view(-1, 1), tokens[:, :-1]], 1)
+            conf = torch.sigmoid(conf_head(h, self.model.prev_embed(prev_all)).float())
         lengths = torch.full((num_rows,), gamma, dtype=torch.long, device=device)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, confidences=conf)
