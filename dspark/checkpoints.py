@@ -49,6 +49,13 @@ def shape_fields(cfg: dict) -> dict:
     )
 
 
+def shape_dict(c) -> dict:
+    """The inverse of shape_fields: a drafter config's transformer shape as Qwen3 config.json fields."""
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+            "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+    return {"model_type": "qwen3", **{k: getattr(c, k) for k in keys}}
+
+
 def detect_format(cfg: dict) -> str:
     """'dspark' (DeepSpec layout), 'zlab-dflash' or 'eagle3' from a checkpoint's config dict."""
     arch = (cfg.get("architectures") or [""])[0]
@@ -111,18 +118,9 @@ def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, e
     c = model.cfg
     cfg = {
         "architectures": ["Qwen3DSparkModel"],
-        "model_type": "qwen3",
-        "hidden_size": c.hidden_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "intermediate_size": c.intermediate_size,
+        **shape_dict(c),
         "num_hidden_layers": c.num_hidden_layers,
         "layer_types": ["full_attention"] * c.num_hidden_layers,
-        "vocab_size": c.vocab_size,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position_embeddings,
         "tie_word_embeddings": False,
         "block_size": c.block_size,
         "mask_token_id": c.mask_token_id,
@@ -187,19 +185,7 @@ def export_speculators(
             "verifier": {"name_or_path": verifier_name_or_path,
                          "architectures": list(tcfg.architectures or [type(target.model).__name__])},
         },
-        "transformer_layer_config": {
-            "model_type": "qwen3",
-            "hidden_size": c.hidden_size,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_hidden_layers,
-            "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta,
-            "max_position_embeddings": c.max_position_embeddings,
-            "vocab_size": c.vocab_size,
-        },
+        "transformer_layer_config": {**shape_dict(c), "num_hidden_layers": c.num_hidden_layers},
         "draft_vocab_size": c.vocab_size,
         "target_hidden_size": int(tcfg.hidden_size),
         "aux_hidden_state_layer_ids": list(c.target_layer_ids),
@@ -248,11 +234,7 @@ def save_eagle3_drafter(model, path: str | Path, target: CausalLM, target_name: 
     path.mkdir(parents=True, exist_ok=True)
     c = model.cfg
     cfg = {
-        "architectures": ["Qwen3Eagle3Model"], "model_type": "qwen3",
-        "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+        "architectures": ["Qwen3Eagle3Model"], **shape_dict(c),
         "draft_num_hidden_layers": 1, "ttt_length": c.ttt_length, "step_loss_decay": c.step_loss_decay,
         "target_layer_ids": list(c.target_layer_ids), "num_target_layers": int(target.model.config.num_hidden_layers),
         "target_model_name_or_path": target_name, "tie_word_embeddings": False,
