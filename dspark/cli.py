@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT, then one statistics line")
     g.add_argument("prompt")
-    g.add_argument("--drafter", default="draft-model", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    g.add_argument("--drafter", default="dspark", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
