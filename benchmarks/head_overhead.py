@@ -1,9 +1,9 @@
 """How much DSpark's sequential head adds to a decoding round, measured side by side.
 
-    python benchmarks/head_overhead.py [--drafter zoo/dspark] [--rounds 200]
+    python benchmarks/head_overhead.py [--drafter dspark] [--rounds 60] [--batch 1]
 
 Runs the same prompts through the drafter with its Markov/RNN and confidence heads, and through the same
-backbone with the heads removed (plain DFlash drafting), alternating, batch 1, temperature 1, and reports
+backbone with the heads removed (plain DFlash drafting), alternating, temperature 1, and reports
 the mean time of a full round (draft + verify) and of the drafting step alone.
 """
 from __future__ import annotations
@@ -20,28 +20,30 @@ from dspark.evaluation.bench import load_eval_prompts
 from dspark.sampling import BatchSampling, SamplingParams
 
 
-def time_rounds(target, drafter, prompt_ids: list[int], rounds: int) -> tuple[float, float]:
-    """Median seconds of (propose) and (propose + verify forward) over `rounds` rounds on one prompt."""
-    sampling = BatchSampling.from_params([SamplingParams(temperature=1.0)], target.device)
-    gens = [torch.Generator().manual_seed(0)]
-    target.reset(1)
-    target.set_feature_layers(drafter.feature_layers)
-    drafter.start([prompt_ids], target.forward([prompt_ids[:-1]], features=True).features)
-    seq = list(prompt_ids)
-    t_draft, t_round = [], []
+def time_rounds(target, drafter, prompts: list[list[int]], rounds: int) -> tuple[float, float]:
+    """Median seconds of (propose) and (propose + verify forward) over `rounds` rounds on a batch of prompts."""
     from dspark.drafters.base import RoundOutcome
 
+    batch = len(prompts)
+    sampling = BatchSampling.from_params([SamplingParams(temperature=1.0)] * batch, target.device)
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+    target.reset(batch)
+    target.set_feature_layers(drafter.feature_layers)
+    drafter.start(prompts, target.forward([p[:-1] for p in prompts], features=True).features)
+    seqs = [list(p) for p in prompts]
+    t_draft, t_round = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        block = drafter.propose([seq], sampling, gens)
+        block = drafter.propose(seqs, sampling, gens)
         t1 = time.perf_counter()
-        out = target.forward([[seq[-1]] + block.tokens[0].tolist()], features=True)
+        out = target.forward([[s[-1]] + block.tokens[r].tolist() for r, s in enumerate(seqs)], features=True)
         t2 = time.perf_counter()
-        # commit the target's argmax after the anchor so both arms see the same text
-        nxt = int(out.logits[0, 0].argmax())
+        # commit the target's argmax after each anchor so both arms see the same text
+        nxt = out.logits[:, 0].argmax(-1).tolist()
         target.truncate(target.lengths - block.tokens.shape[1])
-        drafter.observe(RoundOutcome(committed=[[nxt]], accepted=[0], features=out.features))
-        seq.append(nxt)
+        drafter.observe(RoundOutcome(committed=[[t] for t in nxt], accepted=[0] * batch, features=out.features))
+        for s, t in zip(seqs, nxt):
+            s.append(t)
         t_draft.append(t1 - t0)
         t_round.append(t2 - t0)
     return statistics.median(t_draft), statistics.median(t_round)
@@ -51,7 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--drafter", default="dspark")
     parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=4, help="repetitions (batches of prompts)")
+    parser.add_argument("--batch", type=int, default=1, help="requests per round")
     args = parser.parse_args()
     target = load_target()
     with_head = load_drafter(args.drafter, target)
@@ -60,11 +63,12 @@ def main() -> None:
     without.model.markov_head = None
     without.model.confidence_head = None
     rows = {"with heads": [], "without heads": []}
-    for text in load_eval_prompts("code", args.prompts):
-        ids = encode_prompt(target, text)
+    texts = load_eval_prompts("code", args.prompts * args.batch)
+    for i in range(args.prompts):
+        batch = [encode_prompt(target, t) for t in texts[i * args.batch : (i + 1) * args.batch]]
         for name, d in (("with heads", with_head), ("without heads", without)):
-            rows[name].append(time_rounds(target, d, ids, args.rounds))
-    print(f"command: python benchmarks/head_overhead.py --drafter {args.drafter} --rounds {args.rounds}")
+            rows[name].append(time_rounds(target, d, batch, args.rounds))
+    print(f"command: python benchmarks/head_overhead.py --drafter {args.drafter} --rounds {args.rounds} --batch {args.batch}")
     base_d = statistics.mean(r[0] for r in rows["without heads"])
     base_r = statistics.mean(r[1] for r in rows["without heads"])
     for name, vals in rows.items():
