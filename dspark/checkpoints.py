@@ -107,6 +107,25 @@ def _weights(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     return {k: (v if dtype is None else v.to(dtype)).detach().contiguous().clone() for k, v in model.state_dict().items()}
 
 
+def _load_weights(model: torch.nn.Module, path: Path, target: CausalLM) -> torch.nn.Module:
+    """Fill `model` from path/model.safetensors; frozen target copies (embed_tokens, lm_head) are checked
+    against the target's shapes and dropped, since the target's own modules are used."""
+    weights = load_file(str(path / "model.safetensors"))
+    shapes = {"embed_tokens.weight": tuple(target.model.get_input_embeddings().weight.shape),
+              "lm_head.weight": tuple(target.model.get_output_embeddings().weight.shape)}
+    for key in SHARED_KEYS:
+        if key in weights:
+            if tuple(weights[key].shape) != shapes[key]:
+                raise CheckpointMismatch(f"drafter does not fit the target: {key} has shape "
+                                         f"{tuple(weights[key].shape)} in the drafter but {shapes[key]} in the target")
+            del weights[key]
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointMismatch(f"checkpoint {path} does not match its config: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}")
+    return model.to(device=target.device, dtype=target.dtype)
+
+
 def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, extra: dict | None = None,
                        dtype: torch.dtype | None = None) -> Path:
     """Write a block drafter as DeepSpec-layout config.json + model.safetensors (no target copies).
@@ -146,21 +165,7 @@ def load_block_drafter_model(path: str | Path, target: CausalLM) -> DSparkModel:
     raw = json.loads((path / "config.json").read_text())
     cfg = block_config_from_dict(raw)
     check_fits_target(cfg, target, raw.get("num_target_layers"))
-    weights = load_file(str(path / "model.safetensors"))
-    for key in SHARED_KEYS:
-        if key in weights:
-            expected = tuple(target.model.get_input_embeddings().weight.shape) if key == "embed_tokens.weight" \
-                else tuple(target.model.get_output_embeddings().weight.shape)
-            if tuple(weights[key].shape) != expected:
-                raise CheckpointMismatch(f"drafter does not fit the target: {key} has shape "
-                                         f"{tuple(weights[key].shape)} in the drafter but {expected} in the target")
-            del weights[key]
-    model = DSparkModel(cfg)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise CheckpointMismatch(f"checkpoint {path} does not match its config: missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
-    return model.to(device=target.device, dtype=target.dtype)
+    return _load_weights(DSparkModel(cfg), path, target)
 
 
 def export_speculators(
@@ -254,10 +259,4 @@ def load_eagle3_model(path: str | Path, target: CausalLM):
     problems = _check_common(cfg.hidden_size, cfg.vocab_size, cfg.target_layer_ids, target, raw.get("num_target_layers"))
     if problems:
         raise CheckpointMismatch("drafter does not fit the target: " + "; ".join(problems))
-    weights = {k: v for k, v in load_file(str(path / "model.safetensors")).items() if k not in SHARED_KEYS}
-    model = Eagle3Model(cfg)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise CheckpointMismatch(f"checkpoint {path} does not match its config: missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
-    return model.to(device=target.device, dtype=target.dtype)
+    return _load_weights(Eagle3Model(cfg), path, target)

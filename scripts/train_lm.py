@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from dspark.training.trainer import load_train_state, save_train_state
 
 DOMAINS = ("code", "prose", "math")
 
@@ -77,39 +78,6 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def save_checkpoint(path: Path, model, opt, step: int) -> None:
-    """Write model weights, AdamW moments and the step as safetensors + JSON (no pickle)."""
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
-    names = dict(model.named_parameters())
-    opt_step = 0.0
-    for name, p in names.items():
-        st = opt.state.get(p)
-        if st:
-            tensors[f"opt.exp_avg.{name}"] = st["exp_avg"].contiguous()
-            tensors[f"opt.exp_avg_sq.{name}"] = st["exp_avg_sq"].contiguous()
-            opt_step = float(st["step"])
-    # tied weights share storage; safetensors refuses shared tensors, so clone
-    tensors = {k: v.clone() for k, v in tensors.items()}
-    save_file(tensors, str(path / "train_state.safetensors"))
-    (path / "train_state.json").write_text(json.dumps({"step": step, "opt_step": opt_step if step else 0}))
-
-
-def load_checkpoint(path: Path, model, opt) -> int:
-    """Restore a checkpoint written by save_checkpoint; return the step to continue from."""
-    tensors = load_file(str(path / "train_state.safetensors"))
-    meta = json.loads((path / "train_state.json").read_text())
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=False)
-    for name, p in model.named_parameters():
-        if f"opt.exp_avg.{name}" in tensors:
-            opt.state[p] = {
-                "step": torch.tensor(meta["opt_step"]),
-                "exp_avg": tensors[f"opt.exp_avg.{name}"],
-                "exp_avg_sq": tensors[f"opt.exp_avg_sq.{name}"],
-            }
-    return int(meta["step"])
 
 
 def write_card(out: Path, args, model, tokens_seen: int, seconds: float, losses: dict[str, float]) -> None:
@@ -187,7 +155,7 @@ def main() -> None:
           f"{steps} steps of {args.batch}x{args.seq_len}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     ckpt = args.out / "_train_state"
-    step = load_checkpoint(ckpt, model, opt) if (ckpt / "train_state.json").exists() else 0
+    step = load_train_state(ckpt, model, opt) if (ckpt / "train_state.json").exists() else 0
     if step:
         print(f"resumed at step {step}", flush=True)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed))
@@ -213,7 +181,7 @@ def main() -> None:
                 log.write(json.dumps({"step": step, "loss": loss.item(), "lr": opt.param_groups[0]["lr"]}) + "\n")
                 log.flush()
         if (step + 1) % args.ckpt_every == 0:
-            save_checkpoint(ckpt, model, opt, step + 1)
+            save_train_state(ckpt, model, opt, step + 1, {})
     seconds = time.time() - start
     losses = heldout_loss(model, tokenizer, args.corpus)
     print("held-out loss:", losses, flush=True)
