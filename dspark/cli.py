@@ -87,7 +87,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target, args.gamma)
-    prompts = [p for path in args.prompts for p in read_prompts(path, args.limit)]
+    prompts = [p for path in args.prompts for p in read_prompts(path, args.limit, args.skip)]
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     regenerate(target, drafter, prompts, args.out, sampling, args.max_new_tokens, args.batch_size, args.seed)
     print(f"wrote {len(prompts)} regenerated conversations to {args.out}")
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("prompts", nargs="+", help="JSONL files of {turns: [...]} or {conversations: [...]}")
     r.add_argument("--out", required=True)
     r.add_argument("--limit", type=int, default=None, help="prompts per file")
+    r.add_argument("--skip", type=int, default=0, help="skip the first prompts of each file (extend a data set)")
     r.add_argument("--drafter", default="draft-model", help="drafter that speeds up regeneration (lossless)")
     r.add_argument("--temperature", type=float, default=0.7)
     r.add_argument("--top-k", type=int, default=20)

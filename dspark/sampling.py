@@ -75,20 +75,43 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return out.scatter(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
 
 
+def sampling_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """filter(logits / T) as float32 [R, L, V]: the log-weights each row samples from (T = 1 for greedy rows)."""
+    temp = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    return filter_logits(logits.float() / temp.view(-1, 1, 1), sampling.top_k, sampling.top_p)
+
+
+def probs_from_sampling_logits(scaled: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """softmax of `sampling_logits` output; greedy rows get the one-hot of their argmax."""
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(sampling.greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(sampling.greedy.view(-1, 1, 1), onehot, probs)
+    return probs
+
+
 def logits_to_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """Return the sampling distribution [R, L, V] (float32) for logits [R, L, V].
 
     Sampled rows: softmax(filter(logits / T)). Greedy rows: one-hot on the argmax, the distribution a
     greedy decoder samples from.
     """
-    logits = logits.float()
-    temp = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-    scaled = filter_logits(logits / temp.view(-1, 1, 1), sampling.top_k, sampling.top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    if bool(sampling.greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(sampling.greedy.view(-1, 1, 1), onehot, probs)
-    return probs
+    return probs_from_sampling_logits(sampling_logits(logits, sampling), sampling)
+
+
+def gumbel_noise(shape: tuple[int, ...], sampling: BatchSampling, generators, device) -> torch.Tensor:
+    """Gumbel(0, 1) noise [R, *shape] from each sampled row's own generator (zeros for greedy rows).
+
+    argmax(sampling_logits + noise) is an exact sample of softmax(sampling_logits) (the Gumbel-max
+    trick): a whole block of independent draws costs one random call per row instead of one per token.
+    """
+    greedy = sampling.greedy.tolist()
+    noise = torch.zeros(len(greedy), *shape, device=device)
+    for r, is_greedy in enumerate(greedy):
+        if not is_greedy:
+            u = torch.rand(shape, generator=generators[r], device=device)
+            noise[r] = -torch.log(-torch.log(u))
+    return noise
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

@@ -15,8 +15,8 @@ from torch import nn
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.dflash_model import DFlashBackbone, DFlashConfig
-from dspark.drafters.heads import ConfidenceHead, build_sequential_head
-from dspark.sampling import BatchSampling, logits_to_probs
+from dspark.drafters.heads import ConfidenceHead, MarkovHead, build_sequential_head
+from dspark.sampling import BatchSampling, gumbel_noise, probs_from_sampling_logits, sampling_logits
 from dspark.target import CausalLM
 
 
@@ -142,7 +142,11 @@ class BlockDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
-        """Sample γ drafts left to right from the block logits plus the sequential bias."""
+        """Sample γ drafts left to right from the block logits plus the sequential bias.
+
+        Sampling uses the Gumbel-max trick with one noise draw per row and block, so the sequential
+        loop is a few fused ops per slot; q is computed once for the block from the same logits.
+        """
         h = self.block_hidden(sequences)
         if self.cfg.slot_convention == "self":
             h = h[:, 1:]
@@ -151,28 +155,52 @@ class BlockDrafter(Drafter):
         device = h.device
         base = self.lm_head(h).float()  # U_k, [R, γ, V]
         head, conf_head = self.model.markov_head, self.model.confidence_head
-        prev = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
-        state = head.init_state(num_rows, device, h.dtype) if head is not None else None
-        tokens = torch.zeros(num_rows, gamma, dtype=torch.long, device=device)
-        greedy = sampling.greedy.tolist()
-        all_greedy = all(greedy)  # greedy verification ignores q, so skip building it
-        probs = None if all_greedy else torch.zeros_like(base)
-        for k in range(gamma):
-            logits = base[:, k]
-            if head is not None:
-                bias, state = head.step(h[:, k], prev, state)
-                logits = logits + bias.float()
-            if all_greedy:
-                tokens[:, k] = logits.argmax(-1)
-            else:
-                q = logits_to_probs(logits.unsqueeze(1), sampling).squeeze(1)
-                probs[:, k] = q
-                for r in range(num_rows):
-                    tokens[r, k] = q[r].argmax() if greedy[r] else torch.multinomial(q[r], 1, generator=generators[r])[0]
-            prev = tokens[:, k]
+        all_greedy = bool(sampling.greedy.all())
+        noise = None if all_greedy else gumbel_noise(tuple(base.shape[1:]), sampling, generators, device)
+        anchors = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
+        if head is None:  # plain DFlash: every slot is independent, sample the block at once
+            scaled = base if all_greedy else sampling_logits(base, sampling)
+            tokens = (scaled if noise is None else scaled + noise).argmax(-1)
+        else:
+            scaled, tokens = self._sample_sequential(h, base, anchors, sampling, noise)
+        probs = None if all_greedy else probs_from_sampling_logits(scaled, sampling)
         conf = None
         if conf_head is not None:  # c_k reads x_{k-1}, all known now: one batched call for the block
-            prev_all = torch.cat([tokens.new_tensor([s[-1] for s in sequences]).view(-1, 1), tokens[:, :-1]], 1)
+            prev_all = torch.cat([anchors.view(-1, 1), tokens[:, :-1]], 1)
             conf = torch.sigmoid(conf_head(h, self.model.prev_embed(prev_all)).float())
         lengths = torch.full((num_rows,), gamma, dtype=torch.long, device=device)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, confidences=conf)
+
+    def _sample_sequential(self, h, base, prev, sampling: BatchSampling, noise):
+        """Left-to-right sampling with the sequential head; returns (sampling logits [R, γ, V], tokens [R, γ])."""
+        head = self.model.markov_head
+        num_rows, gamma = base.shape[0], base.shape[1]
+        fused = type(head) is MarkovHead and head.gate_proj is None
+        if fused:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k by one addmm per slot
+            w1, w2t = self._markov_weights()
+        state = head.init_state(num_rows, h.device, h.dtype)
+        plain = noise is None  # all greedy: argmax of U_k + bias
+        scaled = base if plain else torch.empty_like(base)
+        tokens = torch.empty(num_rows, gamma, dtype=torch.long, device=h.device)
+        for k in range(gamma):
+            if fused:
+                logits = torch.addmm(base[:, k], w1[prev], w2t)
+            else:
+                bias, state = head.step(h[:, k], prev, state)
+                logits = base[:, k] + bias.float()
+            if plain:
+                prev = logits.argmax(-1)
+            else:
+                scaled[:, k] = sampling_logits(logits.unsqueeze(1), sampling).squeeze(1)
+                prev = (scaled[:, k] + noise[:, k]).argmax(-1)
+            tokens[:, k] = prev
+        return scaled, tokens
+
+    def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 W1 [V, r] and W2ᵀ [r, V] of the vanilla Markov head, converted once per weight version."""
+        head = self.model.markov_head
+        key = tuple((p.data_ptr(), p._version) for p in (head.markov_w1.weight, head.markov_w2.weight))
+        if getattr(self, "_markov_key", None) != key:
+            self._markov_cache = (head.markov_w1.weight.float(), head.markov_w2.weight.float().t().contiguous())
+            self._markov_key = key
+        return self._markov_cache

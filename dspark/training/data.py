@@ -22,9 +22,13 @@ from dspark.target import CausalLM
 REGEN_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
 
 
-def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """First user turns of a JSONL file of `{"turns": [...]}` or `{"conversations": [{role, content}]}` rows."""
+def read_prompts(path: str | Path, limit: int | None = None, skip: int = 0) -> list[str]:
+    """First user turns of a JSONL file of `{"turns": [...]}` or `{"conversations": [{role, content}]}` rows.
+
+    `skip` drops the first prompts (to extend an earlier regeneration with new ones), `limit` caps the rest.
+    """
     prompts = []
+    seen = 0
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -38,6 +42,10 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
                     prompts.append(user[0])
             else:
                 raise ValueError(f"{path}:{line_no}: expected a 'turns' or 'conversations' field")
+            seen += 1
+            if seen <= skip:
+                prompts.clear()
+                continue
             if limit is not None and len(prompts) >= limit:
                 break
     return prompts

@@ -1,0 +1,82 @@
+"""The bundled DSpark drafter samples exactly the distribution q it reports to the verifier.
+
+Many rows of one batch share a prompt, each with its own generator. Slot 0's drafts must follow q at
+slot 0; slot 1's drafts, among rows whose slot-0 draft is the same token, must follow q at slot 1,
+which the Markov head makes depend on that token. Chi-square tests at false-alarm rate ALPHA; the same
+samples must be rejected against the backbone's distribution without the head (the head is really used).
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import dspark
+from dspark.api import encode_prompt
+from dspark.sampling import BatchSampling, SamplingParams
+from tests.test_verify import ALPHA, chi2_pvalue
+
+ROWS = 6000
+CHUNK = 1000
+
+
+def follows(samples: np.ndarray, q: torch.Tensor) -> bool:
+    """Chi-square goodness of fit of samples to q; a one-token support must be sampled every time."""
+    probs = q.numpy().astype(np.float64)
+    if (probs > 0).sum() == 1:
+        return bool((samples == probs.argmax()).all())
+    return chi2_pvalue(samples, probs) > ALPHA
+
+
+def draw(drafter, target, ids, params: SamplingParams, rows=ROWS, seed=0):
+    """tokens [rows, 2] and q [rows, 2, V] from `rows` independent proposals after prompt `ids`."""
+    target.reset(1)
+    target.set_feature_layers(drafter.feature_layers)
+    feats = target.forward([ids[:-1]], features=True).features
+    tokens, probs = [], []
+    for start in range(0, rows, CHUNK):
+        n = min(CHUNK, rows - start)
+        drafter.start([ids] * n, feats.expand(n, -1, -1))
+        sampling = BatchSampling.from_params([params] * n, "cpu")
+        gens = [torch.Generator().manual_seed(seed * rows + start + i) for i in range(n)]
+        block = drafter.propose([ids] * n, sampling, gens)
+        tokens.append(block.tokens)
+        probs.append(block.probs)
+    return torch.cat(tokens).numpy(), torch.cat(probs)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)],
+                         ids=["T1", "T0.8-topk20-topp0.9"])
+def test_dspark_drafts_follow_reported_q(bundled_target, params):
+    drafter = dspark.load_drafter("dspark", bundled_target, gamma=2)
+    ids = encode_prompt(bundled_target, "Write a poem about the sea.")  # several likely first tokens
+    tokens, q = draw(drafter, bundled_target, ids, params)
+    assert torch.allclose(q[:, 0], q[:1, 0].expand_as(q[:, 0]))  # slot 0 does not depend on the noise
+    assert follows(tokens[:, 0], q[0, 0])
+    first = np.bincount(tokens[:, 0]).argmax()
+    rows = np.flatnonzero(tokens[:, 0] == first)
+    assert len(rows) >= 300
+    q1 = q[rows[0], 1]
+    assert torch.allclose(q[rows, 1], q1.expand(len(rows), -1))
+    assert follows(tokens[rows, 1], q1)
+    # slot 1's q depends on the slot-0 draft through the Markov head
+    other = np.flatnonzero(tokens[:, 0] != first)[0]
+    assert (q[other, 1] - q1).abs().sum() > 0.05
+
+    plain = copy.copy(drafter)
+    plain.model = copy.deepcopy(drafter.model)
+    plain.model.markov_head = None
+    plain.model.confidence_head = None
+    _, q_plain = draw(plain, bundled_target, ids, params, rows=1)
+    p_plain = q_plain[0, 1].numpy().astype(np.float64)
+    if (p_plain[tokens[rows, 1]] == 0).any():
+        return  # the head moved mass onto tokens the plain backbone filters out: clearly different
+    assert chi2_pvalue(tokens[rows, 1], p_plain) < ALPHA
+
+
+def test_dflash_block_sampling_follows_q(bundled_target):
+    drafter = dspark.load_drafter("dflash", bundled_target, gamma=2)
+    ids = encode_prompt(bundled_target, "What is a tuple?")
+    tokens, q = draw(drafter, bundled_target, ids, SamplingParams(temperature=1.0), rows=2000, seed=1)
+    for k in range(2):
+        assert follows(tokens[:, k], q[0, k])
