@@ -16,7 +16,7 @@ from torch import nn
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.dflash_model import DFlashBackbone, DFlashConfig
 from dspark.drafters.heads import ConfidenceHead, MarkovHead, build_sequential_head
-from dspark.sampling import BatchSampling, gumbel_noise, probs_from_sampling_logits, sampling_logits
+from dspark.sampling import BatchSampling, filter_logits, gumbel_noise, probs_from_sampling_logits, sampling_logits
 from dspark.target import CausalLM
 
 
@@ -180,8 +180,10 @@ class BlockDrafter(Drafter):
             w1, w2t = self._markov_weights()
         state = head.init_state(num_rows, h.device, h.dtype)
         plain = noise is None  # all greedy: argmax of U_k + bias
-        scaled = base if plain else torch.empty_like(base)
-        tokens = torch.empty(num_rows, gamma, dtype=torch.long, device=h.device)
+        if not plain:  # what sampling_logits does, hoisted out of the loop
+            temp = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature).view(-1, 1)
+            filtered = not (bool((sampling.top_k == 0).all()) and bool((sampling.top_p >= 1.0).all()))
+        all_logits, all_scaled, tokens = [], [], []
         for k in range(gamma):
             if fused:
                 logits = torch.addmm(base[:, k], w1[prev], w2t)
@@ -190,11 +192,21 @@ class BlockDrafter(Drafter):
                 logits = base[:, k] + bias.float()
             if plain:
                 prev = logits.argmax(-1)
-            else:
-                scaled[:, k] = sampling_logits(logits.unsqueeze(1), sampling).squeeze(1)
-                prev = (scaled[:, k] + noise[:, k]).argmax(-1)
-            tokens[:, k] = prev
-        return scaled, tokens
+            elif filtered:
+                s_k = filter_logits((logits / temp).unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1)
+                all_scaled.append(s_k)
+                prev = (s_k + noise[:, k]).argmax(-1)
+            else:  # noise + logits / T, the same scaled logits q is computed from below
+                all_logits.append(logits)
+                prev = torch.addcdiv(noise[:, k], logits, temp).argmax(-1)
+            tokens.append(prev)
+        if plain:
+            scaled = base
+        elif filtered:
+            scaled = torch.stack(all_scaled, 1)
+        else:
+            scaled = torch.stack(all_logits, 1) / temp.unsqueeze(1)
+        return scaled, torch.stack(tokens, 1)
 
     def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 W1 [V, r] and W2ᵀ [r, V] of the vanilla Markov head, converted once per weight version."""

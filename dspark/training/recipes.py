@@ -90,13 +90,21 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
         f"- training: {cfg.steps} steps x {cfg.batch} sequences, lr {cfg.lr}, warm-up {cfg.warmup_frac:.0%} then cosine, "
         f"AdamW, clip {cfg.max_grad_norm}, bf16 autocast: {cfg.bf16}, seed {cfg.seed}",
         f"- training speed: {last.get('tokens_per_s', 0):.0f} sequence tokens/s; {seconds / 60:.1f} minutes; "
-        f"peak RSS {peak:.0f} MB (2 CPU cores)",
+        f"peak RSS {peak:.0f} MB ({torch.get_num_threads()} CPU threads)",
         f"- final loss {last.get('loss', float('nan')):.3f}; predicted per-position acceptance (last step): "
         f"{[round(a, 3) for a in last.get('accept_rate', [])]}",
-        "", "Built with:", "", "```", " ".join(shlex.quote(a) for a in sys.argv), "```", "",
+        "", "Built with:", "", "```", _command_line(), "```", "",
     ]
     (out / "README.md").write_text("\n".join(card))
     return last
+
+
+def _command_line() -> str:
+    """The command that is running, with the console script's path shortened to its name."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name in ("dspark", "cli.py"):
+        argv[0] = "dspark"
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 def _peak_rss_mb() -> float:
