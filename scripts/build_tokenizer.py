@@ -56,7 +56,7 @@ def build(corpus: Path, out: Path, vocab_size: int) -> PreTrainedTokenizerFast:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
-    parser.add_argument("--out", type=Path, default=Path("zoo/tokenizer"))
+    parser.add_argument("--out", type=Path, default=Path("data/tokenizer"))
     parser.add_argument("--vocab-size", type=int, default=8192)
     args = parser.parse_args()
     fast = build(args.corpus, args.out, args.vocab_size)

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python scripts/build_corpus.py --out data/corpus --eval-prompts zoo/eval_prompts --seed 0
-python scripts/build_tokenizer.py --corpus data/corpus --out zoo/tokenizer
+python scripts/build_tokenizer.py --corpus data/corpus --out data/tokenizer
 python scripts/train_lm.py --name dspark-target --out zoo/target \
     --layers 12 --hidden 320 --heads 5 --kv-heads 1 --intermediate 960 --tokens 5e6
 python scripts/train_lm.py --name dspark-draft --role "the draft model of classic speculative decoding" \

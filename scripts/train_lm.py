@@ -113,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--name", default="dspark-target")
     parser.add_argument("--role", default="the bundled target model")
-    parser.add_argument("--tokenizer", type=Path, default=Path("zoo/tokenizer"))
+    parser.add_argument("--tokenizer", type=Path, default=Path("data/tokenizer"))
     parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layers", type=int, default=8)

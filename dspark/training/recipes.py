@@ -31,8 +31,11 @@ def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
 
 
 def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int = 7, markov_rank: int = 32,
-                  num_feature_layers: int = 5) -> torch.nn.Module:
-    """A fresh drafter of `kind` whose width, heads and vocabulary follow the target's config."""
+                  num_feature_layers: int = 5, intermediate_size: int | None = None) -> torch.nn.Module:
+    """A fresh drafter of `kind` whose width, heads and vocabulary follow the target's config.
+
+    `intermediate_size` sets the draft layers' MLP width (default: the target's).
+    """
     if kind not in KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; choose one of {', '.join(KINDS)}")
     tc = target.model.config
@@ -40,6 +43,8 @@ def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int 
         "vocab_size": target.vocab_size,
         "target_layer_ids": spread_layer_ids(int(tc.num_hidden_layers), num_feature_layers),
     }
+    if intermediate_size:
+        common["intermediate_size"] = int(intermediate_size)
     if kind == "eagle3":
         return Eagle3Model(Eagle3Config(**common, ttt_length=block_size))
     mask_id = getattr(target.tokenizer, "mask_token_id", None)
@@ -56,11 +61,13 @@ def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int 
 
 def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path, cfg: TrainConfig,
                   layers: int = 1, block_size: int = 7, markov_rank: int = 32, max_len: int = 768,
-                  num_anchors: int = 64, save_dtype: torch.dtype | None = torch.bfloat16) -> dict:
+                  num_anchors: int = 64, save_dtype: torch.dtype | None = torch.bfloat16,
+                  intermediate_size: int | None = None) -> dict:
     """Train a drafter of `kind` on regenerated data and save it with a card; return the last log entry."""
     out = Path(out)
     torch.manual_seed(cfg.seed)
-    model = build_drafter(kind, target, layers, block_size, markov_rank).to(target.device)
+    model = build_drafter(kind, target, layers, block_size, markov_rank,
+                          intermediate_size=intermediate_size).to(target.device)
     sequences = [s for s in load_sequences(data, max_len) if int(s[1].sum()) >= 16]
     if kind == "eagle3":
         objective = eagle3_loss
