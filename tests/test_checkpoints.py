@@ -225,3 +225,19 @@ def test_deepspec_eagle3_checkpoint(tmp_path, target):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_size is 48 in the drafter but 64 in the target"):
         dspark.load_drafter(str(tmp_path), target)
+
+
+def test_narrow_mlp_drafter_round_trip_is_lossless(tmp_path, bundled_target):
+    from dspark.api import encode_prompt
+    from dspark.training.recipes import build_drafter
+
+    torch.manual_seed(0)
+    model = build_drafter("dspark", bundled_target, layers=2, intermediate_size=96)
+    assert model.layers[1].mlp.gate_proj.weight.shape == (96, 320)
+    save_block_drafter(model, tmp_path, bundled_target)
+    assert json.loads((tmp_path / "config.json").read_text())["intermediate_size"] == 96
+    drafter = dspark.load_drafter(str(tmp_path), bundled_target)
+    assert drafter.model.layers[0].mlp.down_proj.weight.shape == (320, 96)
+    prompt = [encode_prompt(bundled_target, "Name three colours.")]
+    want = decode(bundled_target, NoDrafter(), prompt, max_new_tokens=16)[0].token_ids
+    assert decode(bundled_target, drafter, prompt, max_new_tokens=16)[0].token_ids == want
