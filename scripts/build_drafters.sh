@@ -10,6 +10,7 @@ MORE=${MORE:-2200}      # further prompts per domain
 T1=${T1:-2200}          # prompts per domain answered again at temperature 1 (the bench samples at T 0 and 1)
 STEPS=${STEPS:-1000}
 LAYERS=${LAYERS:-2}     # draft layers of the block drafters (EAGLE-3 has one, as in its paper)
+MLP=${MLP:-480}         # their MLP width (half the target's; keeps the zoo within 60 MB)
 CORPUS="data/corpus/code_train.jsonl data/corpus/prose_train.jsonl data/corpus/math_train.jsonl"
 # Target-only decoding at batch 64 regenerates fastest on a CPU; any drafter gives the same distribution.
 dspark regenerate $CORPUS --limit "$FIRST" --out data/regen/train.jsonl --max-new-tokens 160 --drafter draft-model
@@ -24,7 +25,7 @@ train() {  # kind, extra args
         --lr 1e-3 "$@" > "data/train_$kind.log" 2>&1
 }
 (train eagle3) &
-(train dspark --layers "$LAYERS"; train dflash --layers "$LAYERS") &
+(train dspark --layers "$LAYERS" --intermediate-size "$MLP"; train dflash --layers "$LAYERS" --intermediate-size "$MLP") &
 wait
 OMP_NUM_THREADS=2 dspark train dspark-rnn --data data/regen/all.jsonl --out zoo/dspark-rnn --steps "$STEPS" --batch 8 \
-    --lr 1e-3 --layers "$LAYERS" > data/train_dspark-rnn.log 2>&1
+    --lr 1e-3 --layers "$LAYERS" --intermediate-size "$MLP" > data/train_dspark-rnn.log 2>&1

@@ -2,8 +2,8 @@
 
 Many rows of one batch share a prompt, each with its own generator. Slot 0's drafts must follow q at
 slot 0; slot 1's drafts, among rows whose slot-0 draft is the same token, must follow q at slot 1,
-which the Markov head makes depend on that token. Chi-square tests at false-alarm rate ALPHA; the same
-samples must be rejected against the backbone's distribution without the head (the head is really used).
+which the Markov head makes depend on that token. Chi-square tests at false-alarm rate ALPHA; q at slot
+1 must also differ from the backbone's distribution without the head (the head is really used).
 """
 import copy
 
@@ -55,7 +55,7 @@ def test_dspark_drafts_follow_reported_q(bundled_target, params):
     assert follows(tokens[:, 0], q[0, 0])
     first = np.bincount(tokens[:, 0]).argmax()
     rows = np.flatnonzero(tokens[:, 0] == first)
-    assert len(rows) >= 300
+    assert len(rows) >= 200
     q1 = q[rows[0], 1]
     assert torch.allclose(q[rows, 1], q1.expand(len(rows), -1))
     assert follows(tokens[rows, 1], q1)
@@ -68,10 +68,7 @@ def test_dspark_drafts_follow_reported_q(bundled_target, params):
     plain.model.markov_head = None
     plain.model.confidence_head = None
     _, q_plain = draw(plain, bundled_target, ids, params, rows=1)
-    p_plain = q_plain[0, 1].numpy().astype(np.float64)
-    if (p_plain[tokens[rows, 1]] == 0).any():
-        return  # the head moved mass onto tokens the plain backbone filters out: clearly different
-    assert chi2_pvalue(tokens[rows, 1], p_plain) < ALPHA
+    assert 0.5 * (q1 - q_plain[0, 1]).abs().sum() > 0.05  # the head changes the distribution sampled from
 
 
 def test_dflash_block_sampling_follows_q(bundled_target):
