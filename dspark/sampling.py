@@ -51,6 +51,11 @@ class BatchSampling:
         """Bool [R]: rows that decode greedily."""
         return self.temperature == 0
 
+    @property
+    def divisor(self) -> torch.Tensor:
+        """[R] temperature that logits are divided by (1 for greedy rows)."""
+        return torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
+
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Return logits [R, L, V] with entries outside each row's top-k / top-p nucleus set to -inf.
@@ -77,8 +82,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 def sampling_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """filter(logits / T) as float32 [R, L, V]: the log-weights each row samples from (T = 1 for greedy rows)."""
-    temp = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-    return filter_logits(logits.float() / temp.view(-1, 1, 1), sampling.top_k, sampling.top_p)
+    return filter_logits(logits.float() / sampling.divisor.view(-1, 1, 1), sampling.top_k, sampling.top_p)
 
 
 def probs_from_sampling_logits(scaled: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:

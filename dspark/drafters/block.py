@@ -181,7 +181,7 @@ class BlockDrafter(Drafter):
         state = head.init_state(num_rows, h.device, h.dtype)
         plain = noise is None  # all greedy: argmax of U_k + bias
         if not plain:  # what sampling_logits does, hoisted out of the loop
-            temp = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature).view(-1, 1)
+            temp = sampling.divisor.view(-1, 1)
             filtered = not (bool((sampling.top_k == 0).all()) and bool((sampling.top_p >= 1.0).all()))
         all_logits, all_scaled, tokens = [], [], []
         for k in range(gamma):
