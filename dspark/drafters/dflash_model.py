@@ -78,6 +78,22 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def fused_weight(owner: nn.Module, key: str, linears: list[nn.Linear]) -> torch.Tensor:
+    """The weights of several bias-free linears stacked along the output dim, so one matmul does all.
+
+    While gradients are wanted the stack is rebuilt on every call (it backpropagates into each weight);
+    at inference it is built once per weight version and kept on `owner`.
+    """
+    weights = [m.weight for m in linears]
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return torch.cat(weights, 0)
+    version = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+    cache = owner.__dict__.setdefault("_fused", {})
+    if key not in cache or cache[key][0] != version:
+        cache[key] = (version, torch.cat([w.detach() for w in weights], 0))
+    return cache[key][1]
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos and sin tables [..., head_dim] for integer positions (HF's rotate-half layout)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
@@ -104,8 +120,9 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return down(silu(gate(x)) * up(x))."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """Return down(silu(gate(x)) * up(x)); gate and up run as one matmul."""
+        gate, up = F.linear(x, fused_weight(self, "gate_up", [self.gate_proj, self.up_proj])).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DraftAttention(nn.Module):
@@ -122,14 +139,6 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values [R, KV, T, hd] of hidden states x [R, T, d]."""
-        r, t, _ = x.shape
-        hd, kv = self.cfg.head_dim, self.cfg.num_key_value_heads
-        k = self.k_norm(self.k_proj(x).view(r, t, kv, hd)).transpose(1, 2)
-        v = self.v_proj(x).view(r, t, kv, hd).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
-
     def forward(
         self,
         x: torch.Tensor,
@@ -142,18 +151,20 @@ class DraftAttention(nn.Module):
         """Attend block states x [R, γ, d] to ctx_k/ctx_v [R, KV, T, hd] and the block itself.
 
         mask: bool [R, 1 or γ, T + γ], True where a query may attend.
+        q, k and v come from one matmul; q and k are normed and rotated together.
         """
         r, g, _ = x.shape
         h, kv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(r, g, h, hd)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        bk, bv = self.project_kv(x, cos, sin)
+        qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
+        qk = qkv[..., : (h + kv) * hd].view(r, g, h + kv, hd)
+        qk_scale = torch.cat([self.q_norm.weight.expand(h, hd), self.k_norm.weight.expand(kv, hd)], 0)
+        qk = F.rms_norm(qk, (hd,), eps=self.cfg.rms_norm_eps) * qk_scale
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)
+        q, bk = qk[:, :h], qk[:, h:]
+        bv = qkv[..., (h + kv) * hd :].view(r, g, kv, hd).transpose(1, 2)
         k = torch.cat([ctx_k, bk], dim=2)
         v = torch.cat([ctx_v, bv], dim=2)
-        if h != kv:
-            k = k.repeat_interleave(h // kv, dim=1)
-            v = v.repeat_interleave(h // kv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=h != kv)
         return self.o_proj(out.transpose(1, 2).reshape(r, g, h * hd))
 
 
@@ -190,10 +201,24 @@ class DFlashBackbone(nn.Module):
         return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (K, V) [R, KV, T, hd] of target features [R, T, m*d] at absolute positions [R, T]."""
+        """Per-layer (K, V) [R, KV, T, hd] of target features [R, T, m*d] at absolute positions [R, T].
+
+        Every layer's k_proj and v_proj run as one matmul; the keys of all layers are normed and rotated
+        together.
+        """
+        cfg = self.cfg
         h_ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         cos, sin = self.rope(positions, h_ctx.dtype)
-        return [layer.self_attn.project_kv(h_ctx, cos, sin) for layer in self.layers]
+        attn = [layer.self_attn for layer in self.layers]
+        r, t, _ = h_ctx.shape
+        n, kv, hd = len(attn), cfg.num_key_value_heads, cfg.head_dim
+        weight = fused_weight(self, "context_kv", [m for a in attn for m in (a.k_proj, a.v_proj)])
+        both = F.linear(h_ctx, weight).view(r, t, n, 2, kv, hd)
+        k_scale = torch.stack([a.k_norm.weight for a in attn]).view(n, 1, hd)
+        k = F.rms_norm(both[:, :, :, 0], (hd,), eps=cfg.rms_norm_eps) * k_scale  # [R, T, n, KV, hd]
+        k = apply_rope(k.reshape(r, t, n * kv, hd).transpose(1, 2), cos, sin)  # [R, n*KV, T, hd]
+        v = both[:, :, :, 1].reshape(r, t, n * kv, hd).transpose(1, 2)
+        return [(k[:, i * kv : (i + 1) * kv], v[:, i * kv : (i + 1) * kv]) for i in range(n)]
 
     def forward(
         self,
