@@ -117,6 +117,16 @@ class CausalLM:
         rank = torch.cumsum(self.valid.long(), dim=1)
         self.valid &= rank <= keep.view(-1, 1)
         self.lengths = keep.clone()
+        # Drop trailing slots that no row uses (views, no copy): a batch of one never keeps holes, and
+        # later passes attend over fewer slots.
+        used = self.valid.any(0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 0
+        if width < self.valid.shape[1]:
+            self.valid = self.valid[:, :width]
+            if self.cache is not None:
+                for layer in self.cache.layers:
+                    layer.keys = layer.keys[:, :, :width]
+                    layer.values = layer.values[:, :, :width]
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only the given rows, in that order (finished requests leave the batch)."""

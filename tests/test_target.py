@@ -83,3 +83,26 @@ def test_features_are_the_selected_hidden_states():
     with torch.no_grad():
         hs = model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(out.features[0], torch.cat([hs[0][0], hs[2][0]], -1), atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_drops_trailing_slots():
+    """Slots rejected by every row leave the cache, so a batch of one never attends over holes."""
+    model = tiny_qwen3()
+    lm = CausalLM(model, compact_slack=10**6)
+    lm.reset(1)
+    lm.forward([[1, 2, 3, 4]])
+    for step in range(5):
+        lm.forward([[5, 6, 7, 8]])
+        lm.truncate([int(lm.lengths[0]) - 2])
+        assert lm.valid.shape[1] == int(lm.lengths[0]) and bool(lm.valid.all())
+        assert all(layer.keys.shape[2] == lm.valid.shape[1] for layer in lm.cache.layers)
+    text = [1, 2, 3, 4] + [5, 6] * 5
+    torch.testing.assert_close(lm.forward([[9]]).logits[0, 0], fresh_logits(model, text + [9])[-1], atol=1e-4, rtol=1e-4)
+    lm.reset(2)  # with two rows only the columns both rows dropped go
+    lm.forward([[1, 2, 3], [4, 5, 6]])
+    lm.forward([[7, 8, 9], [1, 2]])
+    lm.truncate([4, 3])
+    assert lm.valid.shape[1] == 4 and lm.valid.sum().item() == 7
+    out = lm.forward([[5], [6]]).logits
+    torch.testing.assert_close(out[0, 0], fresh_logits(model, [1, 2, 3, 7, 5])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1, 0], fresh_logits(model, [4, 5, 6, 6])[-1], atol=1e-4, rtol=1e-4)

@@ -182,31 +182,28 @@ class BlockDrafter(Drafter):
         plain = noise is None  # all greedy: argmax of U_k + bias
         if not plain:  # what sampling_logits does, hoisted out of the loop
             temp = sampling.divisor.view(-1, 1)
+            scale = not bool((temp == 1.0).all())
             filtered = not (bool((sampling.top_k == 0).all()) and bool((sampling.top_p >= 1.0).all()))
-        all_logits, all_scaled, tokens = [], [], []
+            # slot k's sampling logits land in scaled[k] (contiguous), noisy copies in a scratch row
+            scaled = torch.empty(gamma, num_rows, base.shape[-1], device=base.device)
+            scratch = torch.empty(num_rows, base.shape[-1], device=base.device)
+        tokens = []
         for k in range(gamma):
             if fused:
-                logits = torch.addmm(base[:, k], w1[prev], w2t)
+                logits = torch.addmm(base[:, k], w1[prev], w2t, out=None if plain else scaled[k])
             else:
                 bias, state = head.step(h[:, k], prev, state)
-                logits = base[:, k] + bias.float()
+                logits = torch.add(base[:, k], bias.float(), out=None if plain else scaled[k])
             if plain:
                 prev = logits.argmax(-1)
-            elif filtered:
-                s_k = filter_logits((logits / temp).unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1)
-                all_scaled.append(s_k)
-                prev = (s_k + noise[:, k]).argmax(-1)
-            else:  # noise + logits / T, the same scaled logits q is computed from below
-                all_logits.append(logits)
-                prev = torch.addcdiv(noise[:, k], logits, temp).argmax(-1)
+            else:
+                if scale:
+                    logits.div_(temp)
+                if filtered:
+                    logits.copy_(filter_logits(logits.unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1))
+                prev = torch.add(logits, noise[:, k], out=scratch).argmax(-1)
             tokens.append(prev)
-        if plain:
-            scaled = base
-        elif filtered:
-            scaled = torch.stack(all_scaled, 1)
-        else:
-            scaled = torch.stack(all_logits, 1) / temp.unsqueeze(1)
-        return scaled, torch.stack(tokens, 1)
+        return (base if plain else scaled.transpose(0, 1)), torch.stack(tokens, 1)
 
     def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 W1 [V, r] and W2ᵀ [r, V] of the vanilla Markov head, converted once per weight version."""
