@@ -3,6 +3,7 @@ import torch
 
 from dspark.decoding import decode
 from dspark.drafters import NoDrafter
+from dspark.drafters.dflash_model import apply_rope, rope_cos_sin
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
 from dspark.sampling import BatchSampling, SamplingParams
 from dspark.target import CausalLM
@@ -71,3 +72,28 @@ def test_eagle3_loss_trains():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert stats["accept_rate"].shape == (4,)
+
+
+def test_fused_qkv_matches_separate_projections():
+    """q/k/v from one stacked matmul, q and k normed and rotated together, equal the op-by-op math."""
+    _, model = setup()
+    attn = model.layers[0].self_attn
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    cfg = model.cfg
+    x = torch.randn(2, 5, 2 * cfg.hidden_size)
+    positions = torch.arange(5).view(1, -1) + torch.tensor([[3], [9]])
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+
+    def ref(proj, norm, heads):
+        y = proj(x).view(2, 5, heads, cfg.head_dim)
+        if norm is not None:
+            y = norm.weight * y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+        return y.transpose(1, 2)
+
+    with torch.no_grad():
+        q, k, v = attn.qkv(x, positions)
+        torch.testing.assert_close(q, apply_rope(ref(attn.q_proj, attn.q_norm, cfg.num_attention_heads), cos, sin))
+        torch.testing.assert_close(k, apply_rope(ref(attn.k_proj, attn.k_norm, cfg.num_key_value_heads), cos, sin))
+        torch.testing.assert_close(v, ref(attn.v_proj, None, cfg.num_key_value_heads))

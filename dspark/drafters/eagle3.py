@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
-from dspark.drafters.dflash_model import DraftMLP, RMSNorm, apply_rope, rope_cos_sin
+from dspark.drafters.dflash_model import DraftMLP, RMSNorm, apply_rope, fused_weight, rope_cos_sin
 from dspark.sampling import BatchSampling, logits_to_probs
 from dspark.target import CausalLM
 
@@ -58,22 +58,26 @@ class Eagle3Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """Rotated queries [R, H, q, hd], keys and values [R, KV, q, hd] of inputs x [R, q, 2d]."""
+        """Rotated queries [R, H, q, hd], keys and values [R, KV, q, hd] of inputs x [R, q, 2d].
+
+        q, k and v come from one matmul; q and k are normed and rotated together.
+        """
         r, q, _ = x.shape
         c = self.cfg
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        qs = self.q_norm(self.q_proj(x).view(r, q, c.num_attention_heads, c.head_dim)).transpose(1, 2)
-        ks = self.k_norm(self.k_proj(x).view(r, q, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
-        vs = self.v_proj(x).view(r, q, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return apply_rope(qs, cos, sin), apply_rope(ks, cos, sin), vs
+        h, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        cos, sin = rope_cos_sin(positions, hd, c.rope_theta, x.dtype)
+        out = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
+        qk = out[..., : (h + kv) * hd].view(r, q, h + kv, hd)
+        scale = torch.cat([self.q_norm.weight.expand(h, hd), self.k_norm.weight.expand(kv, hd)], 0)
+        qk = apply_rope((F.rms_norm(qk, (hd,), eps=c.rms_norm_eps) * scale).transpose(1, 2), cos, sin)
+        vs = out[..., (h + kv) * hd :].view(r, q, kv, hd).transpose(1, 2)
+        return qk[:, :h], qk[:, h:], vs
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Output [R, q, d] of queries over keys/values with bool mask [R, q, T]."""
         c = self.cfg
-        if c.num_attention_heads != c.num_key_value_heads:
-            rep = c.num_attention_heads // c.num_key_value_heads
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        gqa = c.num_attention_heads != c.num_key_value_heads
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
         r, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
 
@@ -205,15 +209,19 @@ class Eagle3Drafter(Drafter):
         tokens = torch.zeros(num_rows, self.gamma, dtype=torch.long, device=device)
         probs = None
         greedy = sampling.greedy.tolist()
+        all_greedy = all(greedy)
         ones = torch.ones(num_rows, dtype=torch.long, device=device)
         for k in range(self.gamma):
-            logits = self.lm_head(self.model.norm(hidden)).float()  # [R, 1, V]
-            q = logits_to_probs(logits, sampling)[:, 0]
-            if probs is None:
-                probs = torch.zeros(num_rows, self.gamma, q.shape[-1], device=device)
-            probs[:, k] = q
-            for r in range(num_rows):
-                tokens[r, k] = q[r].argmax() if greedy[r] else torch.multinomial(q[r], 1, generator=generators[r])[0]
+            logits = self.lm_head(self.model.norm(hidden)).float()[:, 0]  # [R, V]
+            if all_greedy:  # one-hot q: verification needs only the tokens
+                tokens[:, k] = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits.unsqueeze(1), sampling)[:, 0]
+                if probs is None:
+                    probs = torch.zeros(num_rows, self.gamma, q.shape[-1], device=device)
+                probs[:, k] = q
+                for r in range(num_rows):
+                    tokens[r, k] = q[r].argmax() if greedy[r] else torch.multinomial(q[r], 1, generator=generators[r])[0]
             if k + 1 < self.gamma:
                 hidden = self._step(hidden, tokens[:, k : k + 1], ones)
         self._truncate(committed)
