@@ -103,18 +103,22 @@ def logits_to_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tens
     return probs_from_sampling_logits(sampling_logits(logits, sampling), sampling)
 
 
-def gumbel_noise(shape: tuple[int, ...], sampling: BatchSampling, generators, device) -> torch.Tensor:
+def gumbel_noise(
+    shape: tuple[int, ...], sampling: BatchSampling, generators, device, row_dim: int = 0
+) -> torch.Tensor:
     """Gumbel(0, 1) noise [R, *shape] from each sampled row's own generator (zeros for greedy rows).
 
+    With row_dim=1 the rows are the second dim ([shape[0], R, *shape[1:]]); the draws are the same.
     argmax(sampling_logits + noise) is an exact sample of softmax(sampling_logits) (the Gumbel-max
     trick): a whole block of independent draws costs one random call per row instead of one per token.
     """
     greedy = sampling.greedy.tolist()
-    noise = torch.zeros(len(greedy), *shape, device=device)
+    out_shape = (len(greedy), *shape) if row_dim == 0 else (shape[0], len(greedy), *shape[1:])
+    noise = torch.zeros(out_shape, device=device)
     for r, is_greedy in enumerate(greedy):
         if not is_greedy:
             u = torch.rand(shape, generator=generators[r], device=device)
-            noise[r] = -torch.log(-torch.log(u))
+            noise.select(row_dim, r).copy_(u.log_().neg_().log_().neg_())
     return noise
 
 

@@ -153,14 +153,16 @@ class BlockDrafter(Drafter):
         h = h[:, : self.max_drafts or h.shape[1]]
         num_rows, gamma = h.shape[0], h.shape[1]
         device = h.device
-        base = self.lm_head(h).float()  # U_k, [R, γ, V]
+        # U_k slot-major, [γ, R, V]: each slot's logits are contiguous for the sequential loop
+        base = self.lm_head(h.transpose(0, 1)).float()
         head, conf_head = self.model.markov_head, self.model.confidence_head
         all_greedy = bool(sampling.greedy.all())
-        noise = None if all_greedy else gumbel_noise(tuple(base.shape[1:]), sampling, generators, device)
+        noise = None if all_greedy else gumbel_noise((gamma, base.shape[-1]), sampling, generators, device, row_dim=1)
         anchors = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
         if head is None:  # plain DFlash: every slot is independent, sample the block at once
-            scaled = base if all_greedy else sampling_logits(base, sampling)
-            tokens = (scaled if noise is None else scaled + noise).argmax(-1)
+            scaled = base if all_greedy else sampling_logits(base.transpose(0, 1), sampling).transpose(0, 1)
+            tokens = (scaled if noise is None else scaled + noise).argmax(-1).t().contiguous()
+            scaled = scaled.transpose(0, 1)
         else:
             scaled, tokens = self._sample_sequential(h, base, anchors, sampling, noise)
         probs = None if all_greedy else probs_from_sampling_logits(scaled, sampling)
@@ -172,11 +174,14 @@ class BlockDrafter(Drafter):
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, confidences=conf)
 
     def _sample_sequential(self, h, base, prev, sampling: BatchSampling, noise):
-        """Left-to-right sampling with the sequential head; returns (sampling logits [R, γ, V], tokens [R, γ])."""
+        """Left-to-right sampling with the sequential head over slot-major base logits [γ, R, V] (overwritten).
+
+        Returns the sampling logits [R, γ, V] (a view of `base`) and the tokens [R, γ].
+        """
         head = self.model.markov_head
-        num_rows, gamma = base.shape[0], base.shape[1]
+        gamma, num_rows = base.shape[0], base.shape[1]
         fused = type(head) is MarkovHead and head.gate_proj is None
-        if fused:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k by one addmm per slot
+        if fused:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k in place by one addmm per slot
             w1, w2t = self._markov_weights()
         state = head.init_state(num_rows, h.device, h.dtype)
         plain = noise is None  # all greedy: argmax of U_k + bias
@@ -184,16 +189,14 @@ class BlockDrafter(Drafter):
             temp = sampling.divisor.view(-1, 1)
             scale = not bool((temp == 1.0).all())
             filtered = not (bool((sampling.top_k == 0).all()) and bool((sampling.top_p >= 1.0).all()))
-            # slot k's sampling logits land in scaled[k] (contiguous), noisy copies in a scratch row
-            scaled = torch.empty(gamma, num_rows, base.shape[-1], device=base.device)
-            scratch = torch.empty(num_rows, base.shape[-1], device=base.device)
         tokens = []
         for k in range(gamma):
+            logits = base[k]
             if fused:
-                logits = torch.addmm(base[:, k], w1[prev], w2t, out=None if plain else scaled[k])
+                logits.addmm_(w1[prev], w2t)
             else:
                 bias, state = head.step(h[:, k], prev, state)
-                logits = torch.add(base[:, k], bias.float(), out=None if plain else scaled[k])
+                logits.add_(bias.float())
             if plain:
                 prev = logits.argmax(-1)
             else:
@@ -201,9 +204,9 @@ class BlockDrafter(Drafter):
                     logits.div_(temp)
                 if filtered:
                     logits.copy_(filter_logits(logits.unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1))
-                prev = torch.add(logits, noise[:, k], out=scratch).argmax(-1)
+                prev = noise[k].add_(logits).argmax(-1)  # the noise is used once: add in place
             tokens.append(prev)
-        return (base if plain else scaled.transpose(0, 1)), torch.stack(tokens, 1)
+        return base.transpose(0, 1), torch.stack(tokens, 1)
 
     def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 W1 [V, r] and W2ᵀ [r, V] of the vanilla Markov head, converted once per weight version."""
