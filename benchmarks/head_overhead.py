@@ -68,7 +68,8 @@ def main() -> None:
         batch = [encode_prompt(target, t) for t in texts[i * args.batch : (i + 1) * args.batch]]
         for name, d in (("with heads", with_head), ("without heads", without)):
             rows[name].append(time_rounds(target, d, batch, args.rounds))
-    print(f"command: python benchmarks/head_overhead.py --drafter {args.drafter} --rounds {args.rounds} --batch {args.batch}")
+    print(f"command: python benchmarks/head_overhead.py --drafter {args.drafter} --rounds {args.rounds} --batch {args.batch} "
+          f"--prompts {args.prompts}")
     base_d = statistics.mean(r[0] for r in rows["without heads"])
     base_r = statistics.mean(r[1] for r in rows["without heads"])
     for name, vals in rows.items():

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from dspark.drafters.block import DSparkModel
-from dspark.drafters.dflash_model import apply_rope
+from dspark.drafters.dflash_model import RopeTable, apply_rope, rope_cos_sin
 from tests.training_fixtures import tiny_block_config
 
 
@@ -123,3 +123,13 @@ def test_fused_training_gradients_match_reference():
     assert set(fused) == set(ref) and any(n.endswith("k_norm.weight") for n in fused)
     for name in ref:
         torch.testing.assert_close(fused[name], ref[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_rope_table_gives_the_computed_values_and_grows():
+    table = RopeTable(head_dim=16, theta=10000.0)
+    for positions in (torch.tensor([[0, 5, 511]]), torch.tensor([[3, 700], [1500, 2]])):  # the second one grows it
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = table(positions, dtype)
+            ref_cos, ref_sin = rope_cos_sin(positions, 16, 10000.0, dtype)
+            assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert table.tables[(torch.device("cpu"), torch.float32)][0].shape[0] >= 1501

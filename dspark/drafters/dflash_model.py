@@ -102,6 +102,29 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RopeTable:
+    """cos/sin tables of every position up to a bound, computed once (grown on demand) and gathered per call.
+
+    Gives exactly `rope_cos_sin`'s values; a drafting round then costs one lookup instead of recomputing
+    the frequencies. Not a module buffer, so checkpoints do not change.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim, self.theta = head_dim, theta
+        self.tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [..., head_dim] for integer positions [...] (all >= 0)."""
+        key = (positions.device, dtype)
+        cos, sin = self.tables.get(key, (None, None))
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if cos is None or need > cos.shape[0]:
+            size = max(need, 512, 2 * (cos.shape[0] if cos is not None else 0))
+            cos, sin = rope_cos_sin(torch.arange(size, device=positions.device), self.head_dim, self.theta, dtype)
+            self.tables[key] = (cos, sin)
+        return cos[positions], sin[positions]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [R, H, T, hd] by per-row tables cos/sin [R, T, hd]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -198,7 +221,9 @@ class DFlashBackbone(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin tables for positions [R, T]."""
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        if "_rope_table" not in self.__dict__:
+            self.__dict__["_rope_table"] = RopeTable(self.cfg.head_dim, self.cfg.rope_theta)
+        return self.__dict__["_rope_table"](positions, dtype)
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) [R, KV, T, hd] of target features [R, T, m*d] at absolute positions [R, T].

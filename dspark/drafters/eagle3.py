@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
-from dspark.drafters.dflash_model import DraftMLP, RMSNorm, apply_rope, fused_weight, rope_cos_sin
+from dspark.drafters.dflash_model import DraftMLP, RMSNorm, RopeTable, apply_rope, fused_weight
 from dspark.sampling import BatchSampling, logits_to_probs
 from dspark.target import CausalLM
 
@@ -56,6 +56,7 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(h * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.__dict__["rope"] = RopeTable(hd, cfg.rope_theta)  # plain attribute: not in the state dict
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """Rotated queries [R, H, q, hd], keys and values [R, KV, q, hd] of inputs x [R, q, 2d].
@@ -65,7 +66,7 @@ class Eagle3Attention(nn.Module):
         r, q, _ = x.shape
         c = self.cfg
         h, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        cos, sin = rope_cos_sin(positions, hd, c.rope_theta, x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
         out = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
         qk = out[..., : (h + kv) * hd].view(r, q, h + kv, hd)
         scale = torch.cat([self.q_norm.weight.expand(h, hd), self.k_norm.weight.expand(kv, hd)], 0)

@@ -88,6 +88,7 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
         save_block_drafter(model, out, target, dtype=save_dtype)
     params = sum(p.numel() for p in model.parameters())
     peak = _peak_rss_mb()
+    threads = torch.get_num_threads()
     card = [
         f"# {kind} drafter for the bundled target", "",
         f"- parameters: {params / 1e6:.2f}M trainable (the target's embedding and LM head are shared, frozen); "
@@ -97,7 +98,7 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
         f"- training: {cfg.steps} steps x {cfg.batch} sequences, lr {cfg.lr}, warm-up {cfg.warmup_frac:.0%} then cosine, "
         f"AdamW, clip {cfg.max_grad_norm}, bf16 autocast: {cfg.bf16}, seed {cfg.seed}",
         f"- training speed: {last.get('tokens_per_s', 0):.0f} sequence tokens/s; {seconds / 60:.1f} minutes; "
-        f"peak RSS {peak:.0f} MB ({torch.get_num_threads()} CPU threads)",
+        f"peak RSS {peak:.0f} MB ({threads} CPU thread{'s' if threads > 1 else ''})",
         f"- final loss {last.get('loss', float('nan')):.3f}; predicted per-position acceptance (last step): "
         f"{[round(a, 3) for a in last.get('accept_rate', [])]}",
         "", "Built with:", "", "```", _command_line(), "```", "",
