@@ -1,4 +1,4 @@
-"""The bundled DSpark drafter samples exactly the distribution q it reports to the verifier.
+"""The bundled DSpark drafters (Markov and RNN heads) sample exactly the distribution q they report to the verifier.
 
 Many rows of one batch share a prompt, each with its own generator. Slot 0's drafts must follow q at
 slot 0; slot 1's drafts, among rows whose slot-0 draft is the same token, must follow q at slot 1,
@@ -45,10 +45,15 @@ def draw(drafter, target, ids, params: SamplingParams, rows=ROWS, seed=0):
     return torch.cat(tokens).numpy(), torch.cat(probs)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)],
-                         ids=["T1", "T0.8-topk20-topp0.9"])
-def test_dspark_drafts_follow_reported_q(bundled_target, params):
-    drafter = dspark.load_drafter("dspark", bundled_target, gamma=2)
+@pytest.mark.parametrize(
+    "name,params",
+    [("dspark", SamplingParams(temperature=1.0)),
+     ("dspark", SamplingParams(temperature=0.8, top_k=20, top_p=0.9)),
+     ("dspark-rnn", SamplingParams(temperature=0.7))],  # the stateful head, temperature without filtering
+    ids=["markov-T1", "markov-T0.8-topk20-topp0.9", "rnn-T0.7"],
+)
+def test_dspark_drafts_follow_reported_q(bundled_target, name, params):
+    drafter = dspark.load_drafter(name, bundled_target, gamma=2)
     ids = encode_prompt(bundled_target, "Write a poem about the sea.")  # several likely first tokens
     tokens, q = draw(drafter, bundled_target, ids, params)
     assert torch.allclose(q[:, 0], q[:1, 0].expand_as(q[:, 0]))  # slot 0 does not depend on the noise
