@@ -3,7 +3,8 @@
     python benchmarks/round_breakdown.py [--drafter dspark] [--domain code] [--prompts 10] [--max-new-tokens 128]
 
 Decodes the same held-out prompts at batch 1, greedy, target-only and with the drafter, timing each
-part of the loop (target forward, propose, verify, cache rollback, drafter update, the rest). Then a
+part of the loop (the prompt's prefill, amortized over the rounds; the verify passes; propose; verify;
+cache rollback; drafter update; the rest). Then a
 second experiment interleaves verify-sized target forwards with and without a drafting call right
 before them: if the forward is slower right after drafting, the drafter's memory traffic is evicting
 the target's weights from the CPU caches.
@@ -45,6 +46,27 @@ class PartTimer:
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, original))
 
+    def wrap_target_forward(self) -> None:
+        """Time CausalLM.forward as 'target prefill' (first pass after a reset) or 'target verify'."""
+        reset, forward = CausalLM.reset, CausalLM.forward
+        fresh = {"flag": False}
+
+        def timed_reset(lm, *args, **kwargs):
+            fresh["flag"] = True
+            return reset(lm, *args, **kwargs)
+
+        def timed_forward(lm, *args, **kwargs):
+            label = "target prefill" if fresh["flag"] else "target verify"
+            fresh["flag"] = False
+            start = time.perf_counter()
+            try:
+                return forward(lm, *args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+
+        CausalLM.reset, CausalLM.forward = timed_reset, timed_forward
+        self._undo += [(CausalLM, "reset", reset), (CausalLM, "forward", forward)]
+
     def restore(self) -> None:
         """Put the original callables back."""
         for owner, attr, original in reversed(self._undo):
@@ -55,7 +77,7 @@ class PartTimer:
 def time_decoding(target, drafter, prompts, max_new_tokens: int) -> tuple[float, int, int, dict[str, float]]:
     """(seconds, rounds, tokens, seconds per part) of decoding every prompt alone."""
     timer = PartTimer()
-    timer.wrap(CausalLM, "forward", "target forward")
+    timer.wrap_target_forward()
     timer.wrap(CausalLM, "truncate", "cache rollback")
     timer.wrap(decoding, "verify", "verify")
     timer.wrap(type(drafter), "propose", "propose")
