@@ -125,6 +125,23 @@ class RopeTable:
         return cos[positions], sin[positions]
 
 
+def project_qkv(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                head_dim: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normed, rotated queries [R, H, T, hd] and keys [R, KV, T, hd], and values, of inputs x [R, T, *].
+
+    `attn` holds q_proj/k_proj/v_proj (bias-free) and q_norm/k_norm: q, k and v come from one matmul
+    over the stacked weights, and q and k are normed and rotated together.
+    """
+    r, t, _ = x.shape
+    h, kv, hd = heads, kv_heads, head_dim
+    out = F.linear(x, fused_weight(attn, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]))
+    qk = out[..., : (h + kv) * hd].view(r, t, h + kv, hd)
+    scale = torch.cat([attn.q_norm.weight.expand(h, hd), attn.k_norm.weight.expand(kv, hd)], 0)
+    qk = apply_rope((F.rms_norm(qk, (hd,), eps=eps) * scale).transpose(1, 2), cos, sin)
+    v = out[..., (h + kv) * hd :].view(r, t, kv, hd).transpose(1, 2)
+    return qk[:, :h], qk[:, h:], v
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [R, H, T, hd] by per-row tables cos/sin [R, T, hd]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -174,17 +191,10 @@ class DraftAttention(nn.Module):
         """Attend block states x [R, γ, d] to ctx_k/ctx_v [R, KV, T, hd] and the block itself.
 
         mask: bool [R, 1 or γ, T + γ], True where a query may attend.
-        q, k and v come from one matmul; q and k are normed and rotated together.
         """
         r, g, _ = x.shape
         h, kv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
-        qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
-        qk = qkv[..., : (h + kv) * hd].view(r, g, h + kv, hd)
-        qk_scale = torch.cat([self.q_norm.weight.expand(h, hd), self.k_norm.weight.expand(kv, hd)], 0)
-        qk = F.rms_norm(qk, (hd,), eps=self.cfg.rms_norm_eps) * qk_scale
-        qk = apply_rope(qk.transpose(1, 2), cos, sin)
-        q, bk = qk[:, :h], qk[:, h:]
-        bv = qkv[..., (h + kv) * hd :].view(r, g, kv, hd).transpose(1, 2)
+        q, bk, bv = project_qkv(self, x, cos, sin, h, kv, hd, self.cfg.rms_norm_eps)
         k = torch.cat([ctx_k, bk], dim=2)
         v = torch.cat([ctx_v, bv], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=h != kv)
@@ -218,12 +228,7 @@ class DFlashBackbone(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos/sin tables for positions [R, T]."""
-        if "_rope_table" not in self.__dict__:
-            self.__dict__["_rope_table"] = RopeTable(self.cfg.head_dim, self.cfg.rope_theta)
-        return self.__dict__["_rope_table"](positions, dtype)
+        self.__dict__["rope"] = RopeTable(cfg.head_dim, cfg.rope_theta)  # rope(positions, dtype); no state dict entry
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (K, V) [R, KV, T, hd] of target features [R, T, m*d] at absolute positions [R, T].

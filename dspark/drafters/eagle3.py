@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
-from dspark.drafters.dflash_model import DraftMLP, RMSNorm, RopeTable, apply_rope, fused_weight
+from dspark.drafters.dflash_model import DraftMLP, RMSNorm, RopeTable, project_qkv
 from dspark.sampling import BatchSampling, logits_to_probs
 from dspark.target import CausalLM
 
@@ -59,20 +59,10 @@ class Eagle3Attention(nn.Module):
         self.__dict__["rope"] = RopeTable(hd, cfg.rope_theta)  # plain attribute: not in the state dict
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """Rotated queries [R, H, q, hd], keys and values [R, KV, q, hd] of inputs x [R, q, 2d].
-
-        q, k and v come from one matmul; q and k are normed and rotated together.
-        """
-        r, q, _ = x.shape
+        """Rotated queries [R, H, q, hd], keys and values [R, KV, q, hd] of inputs x [R, q, 2d]."""
         c = self.cfg
-        h, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = self.rope(positions, x.dtype)
-        out = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
-        qk = out[..., : (h + kv) * hd].view(r, q, h + kv, hd)
-        scale = torch.cat([self.q_norm.weight.expand(h, hd), self.k_norm.weight.expand(kv, hd)], 0)
-        qk = apply_rope((F.rms_norm(qk, (hd,), eps=c.rms_norm_eps) * scale).transpose(1, 2), cos, sin)
-        vs = out[..., (h + kv) * hd :].view(r, q, kv, hd).transpose(1, 2)
-        return qk[:, :h], qk[:, h:], vs
+        return project_qkv(self, x, cos, sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Output [R, q, d] of queries over keys/values with bool mask [R, q, T]."""
