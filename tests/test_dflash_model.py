@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from dspark.drafters.block import DSparkModel
-from dspark.drafters.dflash_model import RopeTable, apply_rope, rope_cos_sin
+from dspark.drafters.dflash_model import RopeTable, apply_rope, rope_cos_sin, rotate
 from tests.training_fixtures import tiny_block_config
 
 
@@ -133,3 +133,14 @@ def test_rope_table_gives_the_computed_values_and_grows():
             ref_cos, ref_sin = rope_cos_sin(positions, 16, 10000.0, dtype)
             assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
     assert table.tables[(torch.device("cpu"), torch.float32)][0].shape[0] >= 1501
+
+
+def test_rolled_rotation_equals_rotate_half():
+    """`rotate` with `RopeTable.rolled` tables is HF's rotate-half RoPE (`apply_rope` with plain tables)."""
+    table = RopeTable(head_dim=16, theta=10000.0)
+    positions = torch.tensor([[0, 7, 300], [5, 1, 2]])
+    x = torch.randn(2, 3, 3, 16)  # [R, H, T, hd]
+    cos, signed_sin = table.rolled(positions, torch.float32)
+    torch.testing.assert_close(rotate(x, cos, signed_sin), apply_rope(x, *table(positions, torch.float32)))
+    assert torch.equal(signed_sin[..., 8:], table(positions, torch.float32)[1][..., 8:])
+    assert torch.equal(signed_sin[..., :8], -table(positions, torch.float32)[1][..., :8])

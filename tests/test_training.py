@@ -87,6 +87,26 @@ def test_training_blocks_equal_inference_blocks():
     torch.testing.assert_close(h[0, 4:8], h_inf[0], atol=1e-5, rtol=1e-5)
 
 
+def test_block_states_equal_with_and_without_context_padding():
+    """A batch whose rows hold contexts of different lengths (padding masked) drafts what each row
+    drafts alone, where the context has no padding and attention runs without a mask."""
+    target, model, seqs, _ = tiny_setup()
+    ids = seqs[5][0].tolist()
+    prompts = [ids[:10], ids[:13]]
+    lm = CausalLM(target, feature_layers=model.cfg.target_layer_ids)
+    lm.reset(2)
+    batch = BlockDrafter(model, lm)
+    batch.start(prompts, lm.forward([p[:-1] for p in prompts], features=True).features)
+    assert not batch.ctx.dense
+    h_batch = batch.block_hidden(prompts)
+    for r, p in enumerate(prompts):
+        lm.reset(1)
+        alone = BlockDrafter(model, lm)
+        alone.start([p], lm.forward([p[:-1]], features=True).features)
+        assert alone.ctx.dense
+        torch.testing.assert_close(alone.block_hidden([p])[0], h_batch[r], atol=1e-5, rtol=1e-5)
+
+
 def test_training_reduces_loss_and_resumes_exactly(tmp_path):
     target, model, seqs, cfg = tiny_setup()
     cfg.steps = 8

@@ -41,18 +41,24 @@ class DSparkModel(DFlashBackbone):
 
 
 class ContextCache:
-    """Per-layer projected context K/V for a batch of rows of different lengths (padding masked)."""
+    """Per-layer projected context K/V for a batch of rows of different lengths (padding masked).
+
+    `dense` is True while every slot of every row is real (always so for a batch of one), so attention
+    needs no mask.
+    """
 
     def __init__(self, compact_slack: int = 64) -> None:
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.valid = torch.zeros(0, 0, dtype=torch.bool)
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.compact_slack = compact_slack
+        self.dense = True
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
         """Append per-layer K/V [R, KV, q, hd] of which the first counts[r] slots of row r are real."""
         q = kv[0][0].shape[2]
         new_valid = torch.arange(q, device=counts.device).view(1, -1) < counts.view(-1, 1)
+        self.dense = (self.dense or not self.kv) and bool((counts == q).all())
         if not self.kv:
             self.kv = kv
             self.valid = new_valid
@@ -74,6 +80,7 @@ class ContextCache:
             out.append((k.gather(2, idx), v.gather(2, idx)))
         self.kv = out
         self.valid = torch.arange(width, device=self.valid.device).view(1, -1) < self.lengths.view(-1, 1)
+        self.dense = bool(self.valid.all())
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only the given rows."""
@@ -81,6 +88,7 @@ class ContextCache:
         self.kv = [(k[idx], v[idx]) for k, v in self.kv]
         self.valid = self.valid[idx]
         self.lengths = self.lengths[idx]
+        self.dense = self.dense or bool(self.valid.all())
 
 
 class BlockDrafter(Drafter):
@@ -118,8 +126,9 @@ class BlockDrafter(Drafter):
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Append the features of each row's anchor and accepted drafts to the context."""
-        counts = torch.tensor([a + 1 for a in outcome.accepted], dtype=torch.long, device=outcome.features.device)
-        self._append_context(outcome.features, counts)
+        counts = [a + 1 for a in outcome.accepted]
+        features = outcome.features[:, : max(counts)]  # slots no row keeps are not projected
+        self._append_context(features, torch.tensor(counts, dtype=torch.long, device=features.device))
 
     def select(self, rows: Sequence[int]) -> None:
         """Drop finished rows from the context cache."""
@@ -130,15 +139,17 @@ class BlockDrafter(Drafter):
         """Final-normed hidden states [R, γ_block, d] of the block after each sequence's last token."""
         device = self.ctx.valid.device
         num_rows, width = len(sequences), self.cfg.block_size
-        anchors = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
-        ids = torch.full((num_rows, width), self.cfg.mask_token_id, dtype=torch.long, device=device)
-        ids[:, 0] = anchors
+        pad = [self.cfg.mask_token_id] * (width - 1)
+        ids = torch.tensor([[s[-1]] + pad for s in sequences], dtype=torch.long, device=device)
         start = torch.tensor([len(s) - 1 for s in sequences], dtype=torch.long, device=device)
         if not torch.equal(start, self.ctx.lengths):
             raise RuntimeError(f"draft context holds {self.ctx.lengths.tolist()} tokens, expected {start.tolist()}")
         positions = start.view(-1, 1) + torch.arange(width, device=device).view(1, -1)
-        mask = torch.cat([self.ctx.valid, torch.ones(num_rows, width, dtype=torch.bool, device=device)], 1)
-        return self.model(self.embed(ids), positions, self.ctx.kv, mask.unsqueeze(1))
+        mask = None  # every context slot is real: attend to all
+        if not self.ctx.dense:
+            mask = torch.cat([self.ctx.valid, torch.ones(num_rows, width, dtype=torch.bool, device=device)], 1)
+            mask = mask.unsqueeze(1)
+        return self.model(self.embed(ids), positions, self.ctx.kv, mask)
 
     @torch.no_grad()
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:

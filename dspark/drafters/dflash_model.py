@@ -71,27 +71,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return x / rms(x) * weight, in x's dtype."""
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """Return x / rms(x) * weight: normalized in float32, cast back to x's dtype, then scaled (HF's order)."""
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def derived_tensor(owner: nn.Module, key: str, params: list[torch.Tensor], build) -> torch.Tensor:
+    """build(*params): rebuilt on every call while gradients are wanted (it backpropagates into each
+    parameter); at inference built once per parameter version and kept on `owner`."""
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        return build(*params)
+    version = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+    cache = owner.__dict__.setdefault("_fused", {})
+    if key not in cache or cache[key][0] != version:
+        cache[key] = (version, build(*[p.detach() for p in params]))
+    return cache[key][1]
 
 
 def fused_weight(owner: nn.Module, key: str, linears: list[nn.Linear]) -> torch.Tensor:
-    """The weights of several bias-free linears stacked along the output dim, so one matmul does all.
-
-    While gradients are wanted the stack is rebuilt on every call (it backpropagates into each weight);
-    at inference it is built once per weight version and kept on `owner`.
-    """
-    weights = [m.weight for m in linears]
-    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-        return torch.cat(weights, 0)
-    version = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
-    cache = owner.__dict__.setdefault("_fused", {})
-    if key not in cache or cache[key][0] != version:
-        cache[key] = (version, torch.cat([w.detach() for w in weights], 0))
-    return cache[key][1]
+    """The weights of several bias-free linears stacked along the output dim, so one matmul does all."""
+    return derived_tensor(owner, key, [m.weight for m in linears], lambda *w: torch.cat(w, 0))
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -111,43 +109,60 @@ class RopeTable:
 
     def __init__(self, head_dim: int, theta: float) -> None:
         self.head_dim, self.theta = head_dim, theta
-        self.tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, half-negated sin) covering every position in `positions`."""
+        key = (positions.device, dtype)
+        tables = self.tables.get(key)
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if tables is None or need > tables[0].shape[0]:
+            size = max(need, 512, 2 * (tables[0].shape[0] if tables is not None else 0))
+            cos, sin = rope_cos_sin(torch.arange(size, device=positions.device), self.head_dim, self.theta, dtype)
+            half = self.head_dim // 2
+            tables = self.tables[key] = (cos, sin, torch.cat([-sin[:, :half], sin[:, half:]], 1))
+        return tables
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [..., head_dim] for integer positions [...] (all >= 0)."""
-        key = (positions.device, dtype)
-        cos, sin = self.tables.get(key, (None, None))
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if cos is None or need > cos.shape[0]:
-            size = max(need, 512, 2 * (cos.shape[0] if cos is not None else 0))
-            cos, sin = rope_cos_sin(torch.arange(size, device=positions.device), self.head_dim, self.theta, dtype)
-            self.tables[key] = (cos, sin)
+        cos, sin, _ = self._tables(positions, dtype)
         return cos[positions], sin[positions]
 
+    def rolled(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the half-negated sin [..., head_dim] that `rotate` takes."""
+        cos, _, signed_sin = self._tables(positions, dtype)
+        return cos[positions], signed_sin[positions]
 
-def project_qkv(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                head_dim: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def project_qkv(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int,
+                kv_heads: int, head_dim: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normed, rotated queries [R, H, T, hd] and keys [R, KV, T, hd], and values, of inputs x [R, T, *].
 
     `attn` holds q_proj/k_proj/v_proj (bias-free) and q_norm/k_norm: q, k and v come from one matmul
-    over the stacked weights, and q and k are normed and rotated together.
+    over the stacked weights, and q and k are normed and rotated together (tables from `RopeTable.rolled`).
     """
     r, t, _ = x.shape
     h, kv, hd = heads, kv_heads, head_dim
     out = F.linear(x, fused_weight(attn, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]))
     qk = out[..., : (h + kv) * hd].view(r, t, h + kv, hd)
-    scale = torch.cat([attn.q_norm.weight.expand(h, hd), attn.k_norm.weight.expand(kv, hd)], 0)
-    qk = apply_rope((F.rms_norm(qk, (hd,), eps=eps) * scale).transpose(1, 2), cos, sin)
+    scale = derived_tensor(attn, "qk_scale", [attn.q_norm.weight, attn.k_norm.weight],
+                           lambda q, k: torch.cat([q.expand(h, hd), k.expand(kv, hd)], 0))
+    qk = rotate((F.rms_norm(qk, (hd,), eps=eps) * scale).transpose(1, 2), cos, signed_sin)
     v = out[..., (h + kv) * hd :].view(r, t, kv, hd).transpose(1, 2)
     return qk[:, :h], qk[:, h:], v
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [R, H, T, hd] by per-row tables cos/sin [R, T, hd]."""
+    """Rotate x [R, H, T, hd] by per-row tables cos/sin [R, T, hd] (HF's rotate-half form)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in three kernels: rotate_half(x)·sin = roll(x, hd/2)·signed_sin, the sign folded into the table."""
+    return torch.addcmul(x * cos.unsqueeze(1), x.roll(x.shape[-1] // 2, -1), signed_sin.unsqueeze(1))
 
 
 class DraftMLP(nn.Module):
@@ -183,21 +198,23 @@ class DraftAttention(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """Attend block states x [R, γ, d] to ctx_k/ctx_v [R, KV, T, hd] and the block itself.
 
-        mask: bool [R, 1 or γ, T + γ], True where a query may attend.
+        mask: bool [R, 1 or γ, T + γ], True where a query may attend, or None for all keys.
+        cos/signed_sin: `RopeTable.rolled`.
         """
         r, g, _ = x.shape
         h, kv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
-        q, bk, bv = project_qkv(self, x, cos, sin, h, kv, hd, self.cfg.rms_norm_eps)
+        q, bk, bv = project_qkv(self, x, cos, signed_sin, h, kv, hd, self.cfg.rms_norm_eps)
         k = torch.cat([ctx_k, bk], dim=2)
         v = torch.cat([ctx_v, bv], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=h != kv)
+        mask = None if mask is None else mask.unsqueeze(1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != kv)
         return self.o_proj(out.transpose(1, 2).reshape(r, g, h * hd))
 
 
@@ -211,9 +228,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+    def forward(self, x, cos, signed_sin, ctx_k, ctx_v, mask) -> torch.Tensor:
         """Return the block states after attention and MLP, with residuals."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -238,15 +255,16 @@ class DFlashBackbone(nn.Module):
         """
         cfg = self.cfg
         h_ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
-        cos, sin = self.rope(positions, h_ctx.dtype)
+        cos, signed_sin = self.rope.rolled(positions, h_ctx.dtype)
         attn = [layer.self_attn for layer in self.layers]
         r, t, _ = h_ctx.shape
         n, kv, hd = len(attn), cfg.num_key_value_heads, cfg.head_dim
         weight = fused_weight(self, "context_kv", [m for a in attn for m in (a.k_proj, a.v_proj)])
         both = F.linear(h_ctx, weight).view(r, t, n, 2, kv, hd)
-        k_scale = torch.stack([a.k_norm.weight for a in attn]).view(n, 1, hd)
+        k_scale = derived_tensor(self, "context_k_scale", [a.k_norm.weight for a in attn],
+                                 lambda *w: torch.stack(w).view(n, 1, hd))
         k = F.rms_norm(both[:, :, :, 0], (hd,), eps=cfg.rms_norm_eps) * k_scale  # [R, T, n, KV, hd]
-        k = apply_rope(k.reshape(r, t, n * kv, hd).transpose(1, 2), cos, sin)  # [R, n*KV, T, hd]
+        k = rotate(k.reshape(r, t, n * kv, hd).transpose(1, 2), cos, signed_sin)  # [R, n*KV, T, hd]
         v = both[:, :, :, 1].reshape(r, t, n * kv, hd).transpose(1, 2)
         return [(k[:, i * kv : (i + 1) * kv], v[:, i * kv : (i + 1) * kv]) for i in range(n)]
 
@@ -260,10 +278,10 @@ class DFlashBackbone(nn.Module):
         """Final-normed hidden states [R, γ, d] of the block.
 
         block_embeds: [R, γ, d] embeddings of [anchor, mask, ...]; positions: [R, γ];
-        ctx_kv: per-layer context keys/values [R, KV, T, hd]; mask: bool [R, 1 or γ, T + γ].
+        ctx_kv: per-layer context keys/values [R, KV, T, hd]; mask: bool [R, 1 or γ, T + γ] or None (all).
         """
         x = block_embeds.to(self.fc.weight.dtype)
-        cos, sin = self.rope(positions, x.dtype)
+        cos, signed_sin = self.rope.rolled(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, mask)
+            x = layer(x, cos, signed_sin, k, v, mask)
         return self.norm(x)

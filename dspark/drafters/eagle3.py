@@ -61,8 +61,8 @@ class Eagle3Attention(nn.Module):
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """Rotated queries [R, H, q, hd], keys and values [R, KV, q, hd] of inputs x [R, q, 2d]."""
         c = self.cfg
-        cos, sin = self.rope(positions, x.dtype)
-        return project_qkv(self, x, cos, sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+        cos, signed_sin = self.rope.rolled(positions, x.dtype)
+        return project_qkv(self, x, cos, signed_sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Output [R, q, d] of queries over keys/values with bool mask [R, q, T]."""
