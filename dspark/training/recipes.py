@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -75,9 +74,8 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
     else:
         objective = block_drafter_loss
         cfg.objective_kwargs = {"num_anchors": num_anchors, "weights": DFLASH_WEIGHTS if kind == "dflash" else DSPARK_WEIGHTS}
-    start = time.perf_counter()
     last = train(model, target.model, sequences, objective, cfg, out / "_train_state", log_path=out / "train_log.jsonl")
-    seconds = time.perf_counter() - start
+    seconds = last.get("elapsed_s", 0.0)  # over every segment of a resumed run
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -97,7 +95,7 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
         f"- data: {data} ({len(sequences)} target-regenerated conversations, answers only in the loss)",
         f"- training: {cfg.steps} steps x {cfg.batch} sequences, lr {cfg.lr}, warm-up {cfg.warmup_frac:.0%} then cosine, "
         f"AdamW, clip {cfg.max_grad_norm}, bf16 autocast: {cfg.bf16}, seed {cfg.seed}",
-        f"- training speed: {last.get('tokens_per_s', 0):.0f} sequence tokens/s; {seconds / 60:.1f} minutes; "
+        f"- training speed: {last.get('tokens_per_s', 0):.0f} sequence tokens/s; {seconds / 60:.1f} minutes of training; "
         f"peak RSS {peak:.0f} MB ({threads} CPU thread{'s' if threads > 1 else ''})",
         f"- final loss {last.get('loss', float('nan')):.3f}; predicted per-position acceptance (last step): "
         f"{[round(a, 3) for a in last.get('accept_rate', [])]}",

@@ -143,7 +143,10 @@ def train(
     work_dir = Path(work_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step = load_train_state(work_dir, model, opt) if (work_dir / "train_state.json").exists() else 0
+    resuming = (work_dir / "train_state.json").exists()
+    step = load_train_state(work_dir, model, opt) if resuming else 0
+    # training seconds of the earlier segments of a resumed run (steps past the last checkpoint are redone)
+    seconds_before = float(json.loads((work_dir / "train_state.json").read_text()).get("seconds", 0.0)) if resuming else 0.0
     wrapped: nn.Module = _BatchLoss(model, objective)
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(wrapped)  # every parameter is in every loss
@@ -174,8 +177,9 @@ def train(
         step += 1
         tokens_seen += sum(int(s[0].numel()) for s in seqs) * world
         if rank == 0:
+            now = time.perf_counter() - start
             last = {"step": step, "lr": opt.param_groups[0]["lr"], "loss": loss.item(), "grad_norm": grad_norm.item(),
-                    "tokens_per_s": tokens_seen / (time.perf_counter() - start)}
+                    "tokens_per_s": tokens_seen / now, "elapsed_s": seconds_before + now}
             if stats:
                 for key in stats[0]:
                     vals = torch.stack([s[key].float() for s in stats]).nanmean(0)
@@ -187,7 +191,8 @@ def train(
             bar.set_postfix(loss=f"{last['loss']:.3f}")
         if step % cfg.ckpt_every == 0 or step == end:
             if rank == 0:
-                save_train_state(work_dir, model, opt, step, {"config": asdict(cfg) | {"objective_kwargs": {}}})
+                save_train_state(work_dir, model, opt, step, {"config": asdict(cfg) | {"objective_kwargs": {}},
+                                                              "seconds": seconds_before + time.perf_counter() - start})
             if world > 1:
                 dist.barrier()
     bar.close()
