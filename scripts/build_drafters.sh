@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Train the four drafters of the zoo for the bundled target on the same target-regenerated data and budget.
 # Needs data/corpus (scripts/build_corpus.py) and the bundled target and draft model (scripts/build_zoo.sh).
-# Same data and the same compute budget for every drafter: about 45 minutes of one CPU thread each, which
-# buys 2500 steps of a block drafter, 2000 of DSpark-RNN (its head unrolls over the block) and 1350 of
+# Same data and the same compute budget for every drafter: about 90 minutes of one CPU thread each, which
+# buys 5000 steps of a block drafter, 4000 of DSpark-RNN (its head unrolls over the block) and 2700 of
 # EAGLE-3 (training-time test unrolls 7 draft steps). Two trainings run side by side with one thread each
-# (on 2 cores this beats one run with two threads).
+# (on 2 cores this beats one run with two threads). A killed run resumes from its checkpoint when the
+# same command runs again.
 # For several processes: replace `dspark train` by `torchrun --nproc-per-node N -m dspark.cli train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FIRST=${FIRST:-800}     # prompts per domain of the first regeneration
 MORE=${MORE:-2200}      # further prompts per domain
 T1=${T1:-2200}          # prompts per domain answered again at temperature 1 (the bench samples at T 0 and 1)
-STEPS=${STEPS:-2500}          # block drafters (DFlash, DSpark)
-RNN_STEPS=${RNN_STEPS:-2000}
-EAGLE_STEPS=${EAGLE_STEPS:-1350}
+STEPS=${STEPS:-5000}          # block drafters (DFlash, DSpark)
+RNN_STEPS=${RNN_STEPS:-4000}
+EAGLE_STEPS=${EAGLE_STEPS:-2700}
 LAYERS=${LAYERS:-2}     # draft layers of the block drafters (EAGLE-3 has one, as in its paper)
 MLP=${MLP:-480}         # their MLP width (half the target's; keeps the zoo within 60 MB)
 CORPUS="data/corpus/code_train.jsonl data/corpus/prose_train.jsonl data/corpus/math_train.jsonl"
