@@ -103,8 +103,9 @@ def save_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, s
     (path / "train_state.json").write_text(json.dumps({"step": step, "opt_steps": opt_steps, **extra}))
 
 
-def load_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Restore a state written by save_train_state; return the step to continue from."""
+def load_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, float]:
+    """Restore a state written by save_train_state; return the step to continue from and the training
+    seconds spent before it (steps past the last checkpoint are redone, so their time is not counted)."""
     meta = json.loads((path / "train_state.json").read_text())
     tensors = load_file(str(path / "train_state.safetensors"))
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
@@ -115,7 +116,7 @@ def load_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -
                 "exp_avg": tensors[f"exp_avg.{name}"].to(p.device),
                 "exp_avg_sq": tensors[f"exp_avg_sq.{name}"].to(p.device),
             }
-    return int(meta["step"])
+    return int(meta["step"]), float(meta.get("seconds", 0.0))
 
 
 def train(
@@ -144,9 +145,7 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     resuming = (work_dir / "train_state.json").exists()
-    step = load_train_state(work_dir, model, opt) if resuming else 0
-    # training seconds of the earlier segments of a resumed run (steps past the last checkpoint are redone)
-    seconds_before = float(json.loads((work_dir / "train_state.json").read_text()).get("seconds", 0.0)) if resuming else 0.0
+    step, seconds_before = load_train_state(work_dir, model, opt) if resuming else (0, 0.0)
     wrapped: nn.Module = _BatchLoss(model, objective)
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(wrapped)  # every parameter is in every loss
