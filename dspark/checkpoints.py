@@ -8,6 +8,8 @@ Formats, told apart by config.json:
 - z-lab DFlash: a `dflash_config` dict (`target_layer_ids`, `mask_token_id`, maybe `block_size`) and a
   top-level `block_size`; no embedding or LM head; slot 0 is discarded (γ − 1 drafts).
 dspark writes the DeepSpec layout (plus `dspark_slot_convention`), so its drafters load there too.
+A dspark checkpoint may store its matrices as int8 rows with float32 `<name>_scale` tensors (its
+config.json then has a `quantization_config`, see dspark.quantize); loading dequantizes them.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark.drafters.block import DSparkModel
 from dspark.drafters.dflash_model import DFlashConfig
+from dspark.quantize import dequantize_state_dict, quantization_config, quantize_state_dict
 from dspark.target import CausalLM
 
 SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
@@ -103,14 +106,25 @@ def check_fits_target(cfg: DFlashConfig, target: CausalLM, num_target_layers: in
         raise CheckpointMismatch("drafter does not fit the target: " + "; ".join(problems))
 
 
-def _weights(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    return {k: (v if dtype is None else v.to(dtype)).detach().contiguous().clone() for k, v in model.state_dict().items()}
+def _weights(model, dtype: torch.dtype | None, int8: bool = False) -> dict[str, torch.Tensor]:
+    weights = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if int8:  # quantized from the model's own precision; the remaining vectors take `dtype`
+        return quantize_state_dict(weights, dtype)
+    return weights if dtype is None else {k: v.to(dtype) for k, v in weights.items()}
+
+
+def _write(path: Path, cfg: dict, model, dtype: torch.dtype | None, int8: bool) -> None:
+    """config.json (with a quantization_config when int8) and model.safetensors."""
+    if int8:
+        cfg = {**cfg, "quantization_config": quantization_config()}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(_weights(model, dtype, int8), str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _load_weights(model: torch.nn.Module, path: Path, target: CausalLM) -> torch.nn.Module:
     """Fill `model` from path/model.safetensors; frozen target copies (embed_tokens, lm_head) are checked
     against the target's shapes and dropped, since the target's own modules are used."""
-    weights = load_file(str(path / "model.safetensors"))
+    weights = dequantize_state_dict(load_file(str(path / "model.safetensors")))
     shapes = {"embed_tokens.weight": tuple(target.model.get_input_embeddings().weight.shape),
               "lm_head.weight": tuple(target.model.get_output_embeddings().weight.shape)}
     for key in SHARED_KEYS:
@@ -127,10 +141,11 @@ def _load_weights(model: torch.nn.Module, path: Path, target: CausalLM) -> torch
 
 
 def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, extra: dict | None = None,
-                       dtype: torch.dtype | None = None) -> Path:
+                       dtype: torch.dtype | None = None, int8: bool = False) -> Path:
     """Write a block drafter as DeepSpec-layout config.json + model.safetensors (no target copies).
 
-    dtype, when given, is the dtype of the stored weights (bf16 halves a zoo drafter's size).
+    dtype, when given, is the dtype of the stored weights (bf16 halves a zoo drafter's size); `int8`
+    stores its matrices as int8 rows with float32 scales (dspark.quantize), half of bf16 again.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -154,8 +169,7 @@ def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, e
     if c.enable_confidence_head:
         cfg["confidence_head_with_markov"] = c.confidence_head_with_markov
     cfg.update(extra or {})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(_weights(model, dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
+    _write(path, cfg, model, dtype, int8)
     return path
 
 
@@ -233,8 +247,9 @@ def _check_common(hidden: int, vocab: int, layer_ids: list[int], target: CausalL
 
 
 def save_eagle3_drafter(model, path: str | Path, target: CausalLM, target_name: str = "",
-                        dtype: torch.dtype | None = None) -> Path:
-    """Write an EAGLE-3 drafter in DeepSpec's `Qwen3Eagle3Model` layout (no target copies)."""
+                        dtype: torch.dtype | None = None, int8: bool = False) -> Path:
+    """Write an EAGLE-3 drafter in DeepSpec's `Qwen3Eagle3Model` layout (no target copies); dtype and
+    int8 as in save_block_drafter."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = model.cfg
@@ -244,8 +259,7 @@ def save_eagle3_drafter(model, path: str | Path, target: CausalLM, target_name: 
         "target_layer_ids": list(c.target_layer_ids), "num_target_layers": int(target.model.config.num_hidden_layers),
         "target_model_name_or_path": target_name, "tie_word_embeddings": False,
     }
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(_weights(model, dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
+    _write(path, cfg, model, dtype, int8)
     return path
 
 

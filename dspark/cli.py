@@ -103,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       bf16=not args.no_bf16)
     last = train_drafter(args.kind, target, args.data, args.out, cfg, layers=args.layers, block_size=args.block_size,
                          markov_rank=args.markov_rank, num_anchors=args.num_anchors,
-                         intermediate_size=args.intermediate_size)
+                         intermediate_size=args.intermediate_size, int8=args.int8)
     print(f"trained {args.kind}: {json.dumps(last)}")
     return 0
 
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)
     t.add_argument("--no-bf16", action="store_true")
+    t.add_argument("--int8", action="store_true",
+                   help="store the trained matrices as int8 rows with float32 scales (default: bfloat16)")
     t.add_argument("--target", default=None)
     t.add_argument("--device", default="cpu")
     t.set_defaults(func=cmd_train)

@@ -61,8 +61,11 @@ def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int 
 def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path, cfg: TrainConfig,
                   layers: int = 1, block_size: int = 7, markov_rank: int = 32, max_len: int = 768,
                   num_anchors: int = 64, save_dtype: torch.dtype | None = torch.bfloat16,
-                  intermediate_size: int | None = None) -> dict:
-    """Train a drafter of `kind` on regenerated data and save it with a card; return the last log entry."""
+                  intermediate_size: int | None = None, int8: bool = False) -> dict:
+    """Train a drafter of `kind` on regenerated data and save it with a card; return the last log entry.
+
+    The weights are stored in `save_dtype`, or as int8 rows with float32 scales when `int8`.
+    """
     out = Path(out)
     torch.manual_seed(cfg.seed)
     model = build_drafter(kind, target, layers, block_size, markov_rank,
@@ -81,16 +84,16 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
     if dist.is_initialized() and dist.get_rank() != 0:
         return last
     if kind == "eagle3":
-        save_eagle3_drafter(model, out, target, dtype=save_dtype)
+        save_eagle3_drafter(model, out, target, dtype=save_dtype, int8=int8)
     else:
-        save_block_drafter(model, out, target, dtype=save_dtype)
+        save_block_drafter(model, out, target, dtype=save_dtype, int8=int8)
     params = sum(p.numel() for p in model.parameters())
     peak = _peak_rss_mb()
     threads = torch.get_num_threads()
     card = [
         f"# {kind} drafter for the bundled target", "",
         f"- parameters: {params / 1e6:.2f}M trainable (the target's embedding and LM head are shared, frozen); "
-        f"stored as {str(save_dtype or model.fc.weight.dtype).replace('torch.', '')}",
+        f"stored as {_storage(save_dtype or model.fc.weight.dtype, int8)}",
         f"- architecture: {json.dumps({k: v for k, v in model.cfg.to_dict().items() if k != 'extra'})}",
         f"- data: {data} ({len(sequences)} target-regenerated conversations, answers only in the loss)",
         f"- training: {cfg.steps} steps x {cfg.batch} sequences, lr {cfg.lr}, warm-up {cfg.warmup_frac:.0%} then cosine, "
@@ -103,6 +106,12 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
     ]
     (out / "README.md").write_text("\n".join(card))
     return last
+
+
+def _storage(dtype: torch.dtype, int8: bool) -> str:
+    """How the card describes the stored weights."""
+    name = str(dtype).replace("torch.", "")
+    return f"int8 matrices with float32 row scales, {name} vectors" if int8 else name
 
 
 def _command_line() -> str:
