@@ -33,3 +33,24 @@ def test_bench_runs_drafters_side_by_side(tmp_path):
         assert r["identical_to_target_only"] == 1.0  # float32: lossless and numerically identical
         assert 0 < r["tokens"] <= sum((i + 1) * n for i, n in enumerate(r["histogram"]))
     assert plot.stat().st_size > 1000
+
+
+def test_report_scripts_read_bench_json_and_training_logs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bench = {"macro": [{"temperature": 0.0, "drafter": "dspark", "tau": 4.5, "speedup": 2.9}],
+             "runs": [{"temperature": 1.0, "domain": "code", "drafter": "dspark", "tau": 2.5, "speedup": 1.6,
+                       "identical_to_target_only": None, "conditional_acceptance": [0.641, 0.6]}]}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "tables.py"), str(tmp_path / "bench.json")],
+                         check=True, capture_output=True, text=True).stdout
+    assert "| 0.0 | dspark | 4.50 | 2.90x |" in out
+    assert "| code | 1 | dspark | 2.50 | 1.60x | n/a | [0.64, 0.6] |" in out
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "accept_rate": [s / 10, s / 25]}) + "\n" for s in range(1, 5)))
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "train_curves.py"), str(log), "--window", "2",
+                          "--every", "2"], check=True, capture_output=True, text=True).stdout
+    assert "4 steps" in out and "last 2 steps: 0.35 0.14" in out and "steps 1-2: 0.15 0.06" in out
