@@ -42,7 +42,7 @@ def draw(drafter, target, ids, params: SamplingParams, rows=ROWS, seed=0):
         block = drafter.propose([ids] * n, sampling, gens)
         tokens.append(block.tokens)
         probs.append(block.probs)
-    return torch.cat(tokens).numpy(), torch.cat(probs)
+    return torch.cat(tokens).numpy(), None if probs[0] is None else torch.cat(probs)
 
 
 @pytest.mark.parametrize(
@@ -52,8 +52,9 @@ def draw(drafter, target, ids, params: SamplingParams, rows=ROWS, seed=0):
      ("dspark-rnn", SamplingParams(temperature=0.7))],  # the stateful head, temperature without filtering
     ids=["markov-T1", "markov-T0.8-topk20-topp0.9", "rnn-T0.7"],
 )
-def test_dspark_drafts_follow_reported_q(bundled_target, name, params):
+def test_dspark_drafts_follow_reported_q(bundled_target, name, params, candidates=None):
     drafter = dspark.load_drafter(name, bundled_target, gamma=2)
+    drafter.bias_candidates = candidates
     ids = encode_prompt(bundled_target, "Write a poem about the sea.")  # several likely first tokens
     tokens, q = draw(drafter, bundled_target, ids, params)
     assert torch.allclose(q[:, 0], q[:1, 0].expand_as(q[:, 0]))  # slot 0 does not depend on the noise
@@ -82,3 +83,38 @@ def test_dflash_block_sampling_follows_q(bundled_target):
     tokens, q = draw(drafter, bundled_target, ids, SamplingParams(temperature=1.0), rows=2000, seed=1)
     for k in range(2):
         assert follows(tokens[:, k], q[0, k])
+
+
+def test_candidate_drafts_follow_reported_q(bundled_target):
+    """The Markov bias on each slot's top-64 base candidates only: drafts still follow the q reported."""
+    test_dspark_drafts_follow_reported_q(bundled_target, "dspark", SamplingParams(temperature=1.0), candidates=64)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)],
+                         ids=["greedy", "T0.8-topk20-topp0.9"])
+def test_candidates_over_whole_vocabulary_equal_the_full_bias(bundled_target, params):
+    full = dspark.load_drafter("dspark", bundled_target)
+    cand = dspark.load_drafter("dspark", bundled_target)
+    cand.bias_candidates = bundled_target.vocab_size
+    ids = encode_prompt(bundled_target, "Write a poem about the sea.")
+    a_tokens, a_q = draw(full, bundled_target, ids, params, rows=64, seed=3)
+    b_tokens, b_q = draw(cand, bundled_target, ids, params, rows=64, seed=3)
+    assert (a_tokens == b_tokens).all()
+    if a_q is not None:
+        assert torch.allclose(a_q, b_q, atol=1e-5)
+
+
+def test_candidate_drafting_is_lossless_and_restricted(bundled_target):
+    from dspark.decoding import decode
+    from dspark.drafters import NoDrafter
+
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    drafter.bias_candidates = 4
+    prompts = [encode_prompt(bundled_target, t) for t in ("def add(a, b):", "Name three colours.")]
+    want = [r.token_ids for r in decode(bundled_target, NoDrafter(), prompts, max_new_tokens=24)]
+    got = decode(bundled_target, drafter, prompts, max_new_tokens=24)
+    assert [r.token_ids for r in got] == want
+    assert sum(s.accepted for r in got for s in r.rounds) > 0
+    _, q = draw(drafter, bundled_target, prompts[1], SamplingParams(temperature=1.0), rows=50, seed=4)
+    support = (q > 0).sum(-1)
+    assert int(support.max()) <= 4 and torch.allclose(q.sum(-1), torch.ones_like(q.sum(-1)))

@@ -94,10 +94,17 @@ class ContextCache:
 class BlockDrafter(Drafter):
     """DFlash / DSpark drafting for a batch, using the target's embedding and LM head."""
 
-    def __init__(self, model: DSparkModel, target: CausalLM, name: str = "dspark", max_drafts: int | None = None) -> None:
+    def __init__(self, model: DSparkModel, target: CausalLM, name: str = "dspark", max_drafts: int | None = None,
+                 bias_candidates: int | None = None) -> None:
+        """`bias_candidates` K: a vanilla Markov head adds its bias only to each slot's K largest base logits
+        and drafts from those K tokens (q is zero elsewhere), so a high-rank head reads K rows of W2 per
+        slot instead of all V; None adds it to the whole vocabulary."""
         if max_drafts is not None and not 1 <= max_drafts <= model.cfg.num_drafts:
             raise ValueError(f"gamma must be in [1, {model.cfg.num_drafts}] for this drafter, got {max_drafts}")
+        if bias_candidates is not None and not 1 <= bias_candidates <= model.cfg.vocab_size:
+            raise ValueError(f"bias_candidates must be in [1, {model.cfg.vocab_size}], got {bias_candidates}")
         self.max_drafts = max_drafts
+        self.bias_candidates = bias_candidates
         self.model = model.eval()
         self.cfg = model.cfg
         self.name = name
@@ -192,6 +199,8 @@ class BlockDrafter(Drafter):
         head = self.model.markov_head
         gamma, num_rows = base.shape[0], base.shape[1]
         fused = type(head) is MarkovHead and head.gate_proj is None
+        if fused and self.bias_candidates is not None:
+            return self._sample_candidates(base, prev, sampling, noise, self.bias_candidates)
         if fused:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k in place by one addmm per slot
             w1, w2t = self._markov_weights()
         state = head.init_state(num_rows, h.device, h.dtype)
@@ -218,6 +227,45 @@ class BlockDrafter(Drafter):
                 prev = noise[k].add_(logits).argmax(-1)  # the noise is used once: add in place
             tokens.append(prev)
         return base.transpose(0, 1), torch.stack(tokens, 1)
+
+    def _sample_candidates(self, base, prev, sampling: BatchSampling, noise, k_cand: int):
+        """Left-to-right sampling over each slot's top-K base candidates with the vanilla Markov bias.
+
+        Per slot: bias_c = W2[c] · W1[x_{k−1}] for the K candidates c only; greedy takes the best candidate,
+        sampling applies temperature and top-k/top-p among the candidates and Gumbel-max with the noise
+        of those tokens. The returned sampling logits are -inf outside the candidates, so q is exactly
+        the distribution drafted from. Same return values as `_sample_sequential`.
+        """
+        w1, w2t = self._markov_weights()
+        w2 = self._markov_rows(w2t)
+        vals, idx = base.topk(k_cand, dim=-1)  # [γ, R, K]
+        plain = noise is None
+        if not plain:
+            temp = sampling.divisor.view(-1, 1)
+            scale = not bool((temp == 1.0).all())
+            filtered = not (bool((sampling.top_k == 0).all()) and bool((sampling.top_p >= 1.0).all()))
+        tokens = []
+        for k in range(base.shape[0]):
+            cand = vals[k] + torch.bmm(w2[idx[k]], w1[prev].unsqueeze(-1)).squeeze(-1)  # [R, K]
+            if plain:
+                pick = cand.argmax(-1)
+            else:
+                if scale:
+                    cand = cand / temp
+                if filtered:
+                    cand = filter_logits(cand.unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1)
+                pick = (cand + noise[k].gather(-1, idx[k])).argmax(-1)
+                base[k].fill_(float("-inf")).scatter_(-1, idx[k], cand)
+            prev = idx[k].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+            tokens.append(prev)
+        return base.transpose(0, 1), torch.stack(tokens, 1)
+
+    def _markov_rows(self, w2t: torch.Tensor) -> torch.Tensor:
+        """W2 [V, r] (one row per token) from the cached W2ᵀ, for gathering candidate rows."""
+        if getattr(self, "_markov_rows_src", None) is not w2t:
+            self._markov_rows_cache = w2t.t().contiguous()
+            self._markov_rows_src = w2t
+        return self._markov_rows_cache
 
     def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 W1 [V, r] and W2ᵀ [r, V] of the vanilla Markov head, converted once per weight version."""
