@@ -67,11 +67,14 @@ def _check_same_tokenizer(target: CausalLM, draft: CausalLM, where: str) -> None
             )
 
 
-def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None = None) -> Drafter:
+def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None = None,
+                 bias_candidates: int | None = None) -> Drafter:
     """Return a drafter for `target`: 'none', 'ngram', a bundled drafter name or a checkpoint folder.
 
     Checkpoint folders may hold an HF causal LM sharing the target's tokenizer (a draft model) or a
     block drafter (dspark / DeepSpec DSpark or DFlash / z-lab DFlash); the format is detected.
+    `bias_candidates` K restricts a block drafter's Markov bias to each slot's top-K base logits
+    (BlockDrafter); drafters without a vanilla Markov head ignore it.
     """
     name = str(name_or_path)
     if name == "none":
@@ -93,7 +96,7 @@ def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None =
         from dspark.drafters.block import BlockDrafter
 
         model = load_block_drafter_model(path, target)
-        return BlockDrafter(model, target, name=path.name, max_drafts=gamma)
+        return BlockDrafter(model, target, name=path.name, max_drafts=gamma, bias_candidates=bias_candidates)
     if (raw.get("architectures") or [""])[0] in ("Qwen3Eagle3Model", "Eagle3DraftModel"):
         from dspark.checkpoints import load_eagle3_model
         from dspark.drafters.eagle3 import Eagle3Drafter

@@ -14,6 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (drafter default if unset)")
+    p.add_argument("--bias-candidates", type=int, default=None,
+                   help="DSpark's Markov bias on each slot's top-K base logits only (default: the whole vocabulary)")
 
 
 class _Streamer:
@@ -36,7 +38,7 @@ class _Streamer:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     target = load_target(args.target, args.dtype, args.device)
-    drafter = load_drafter(args.drafter, target, args.gamma)
+    drafter = load_drafter(args.drafter, target, args.gamma, args.bias_candidates)
     streamer = _Streamer(target.tokenizer)
     start = time.perf_counter()
     (result,) = generate(
@@ -74,6 +76,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         gamma=args.gamma,
+        bias_candidates=args.bias_candidates,
         json_path=args.json,
         seed=args.seed,
         plot_path=args.plot,
@@ -86,7 +89,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     from dspark.training.data import read_prompts, regenerate
 
     target = load_target(args.target, args.dtype, args.device)
-    drafter = load_drafter(args.drafter, target, args.gamma)
+    drafter = load_drafter(args.drafter, target, args.gamma, args.bias_candidates)
     prompts = [p for path in args.prompts for p in read_prompts(path, args.limit, args.skip)]
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     regenerate(target, drafter, prompts, args.out, sampling, args.max_new_tokens, args.batch_size, args.seed)

@@ -30,3 +30,17 @@ def test_python_api_matches_cli_semantics():
         assert r.text == target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
         assert sum(s.accepted + 1 for s in r.rounds) >= len(r.token_ids)
         assert all(0 <= s.accepted <= s.draft_len for s in r.rounds)
+
+
+def test_generate_cli_bias_candidates_gives_the_target_only_text():
+    def run(*extra):
+        out = subprocess.run(
+            [sys.executable, "-m", "dspark.cli", "generate", "def is_even(n):", "--max-new-tokens", "20",
+             "--dtype", "float32", *extra], capture_output=True, text=True, check=True,
+        ).stdout
+        return out.strip().rsplit("\n", 1)
+
+    text, stats = run("--drafter", "dspark", "--bias-candidates", "16")
+    assert text == run("--drafter", "none")[0]
+    assert float(re.search(r"tau=([\d.]+)", stats)[1]) > 1.0
+    assert dspark.load_drafter("dspark", dspark.load_target(dtype="float32"), bias_candidates=16).bias_candidates == 16

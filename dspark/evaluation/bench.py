@@ -62,6 +62,7 @@ def run_bench(
     dtype: str = "bfloat16",
     device: str = "cpu",
     gamma: int | None = None,
+    bias_candidates: int | None = None,
     json_path: str | None = None,
     seed: int = 0,
     plot_path: str | None = None,
@@ -72,7 +73,7 @@ def run_bench(
     if "none" not in drafters:
         drafters = ["none"] + list(drafters)
     target = load_target(target_path, dtype, device)
-    loaded = {name: load_drafter(name, target, gamma) for name in drafters}
+    loaded = {name: load_drafter(name, target, gamma, bias_candidates) for name in drafters}
     warm = encode_prompt(target, "def f(x):")
     for d in loaded.values():
         decode(target, d, [warm], SamplingParams(), 8)
