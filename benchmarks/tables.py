@@ -2,17 +2,28 @@
 
     python benchmarks/tables.py benchmarks/results/bench.json
 """
-import json, sys
-d = json.load(open(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/bench.json"))
-print("| T | drafter | τ | speedup |\n|---|---|---|---|")
-for m in d["macro"]:
-    print(f"| {m['temperature']:.1f} | {m['drafter']} | {m['tau']:.2f} | {m['speedup']:.2f}x |")
-print()
-print("| domain | T | drafter | τ | speedup | greedy output identical to target-only | conditional acceptance by position |")
-print("|---|---|---|---|---|---|---|")
-for r in d["runs"]:
-    if r["drafter"] == "none":
-        continue
-    same = f"{r['identical_to_target_only']:.2f}" if r["temperature"] == 0 else "n/a"
-    ca = [round(x, 2) for x in r["conditional_acceptance"]]
-    print(f"| {r['domain']} | {r['temperature']:g} | {r['drafter']} | {r['tau']:.2f} | {r['speedup']:.2f}x | {same} | {ca} |")
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    d = json.load(open(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/bench.json"))
+    print("| T | drafter | τ | speedup |\n|---|---|---|---|")
+    for m in d["macro"]:
+        print(f"| {m['temperature']:.1f} | {m['drafter']} | {m['tau']:.2f} | {m['speedup']:.2f}x |")
+    print()
+    print("| domain | T | drafter | τ | speedup | greedy output identical to target-only | conditional acceptance by position |")
+    print("|---|---|---|---|---|---|---|")
+    for r in d["runs"]:
+        if r["drafter"] == "none":
+            continue
+        same = f"{r['identical_to_target_only']:.2f}" if r["temperature"] == 0 else "n/a"
+        ca = [round(x, 2) for x in r["conditional_acceptance"]]
+        print(f"| {r['domain']} | {r['temperature']:g} | {r['drafter']} | {r['tau']:.2f} | {r['speedup']:.2f}x "
+              f"| {same} | {ca} |")
+
+
+if __name__ == "__main__":
+    main()

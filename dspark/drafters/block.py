@@ -91,6 +91,15 @@ class ContextCache:
         self.dense = self.dense or bool(self.valid.all())
 
 
+def _loop_sampling(sampling: BatchSampling) -> tuple[torch.Tensor, bool, bool]:
+    """What sampling_logits does, hoisted out of a per-slot loop: the divisor [R, 1], whether any row
+    divides by a temperature other than 1, and whether any row filters by top-k / top-p."""
+    temp = sampling.divisor.view(-1, 1)
+    scale = not bool((temp == 1.0).all())
+    filtered = not (bool((sampling.top_k == 0).all()) and bool((sampling.top_p >= 1.0).all()))
+    return temp, scale, filtered
+
+
 class BlockDrafter(Drafter):
     """DFlash / DSpark drafting for a batch, using the target's embedding and LM head."""
 
@@ -205,10 +214,8 @@ class BlockDrafter(Drafter):
             w1, w2t = self._markov_weights()
         state = head.init_state(num_rows, h.device, h.dtype)
         plain = noise is None  # all greedy: argmax of U_k + bias
-        if not plain:  # what sampling_logits does, hoisted out of the loop
-            temp = sampling.divisor.view(-1, 1)
-            scale = not bool((temp == 1.0).all())
-            filtered = not (bool((sampling.top_k == 0).all()) and bool((sampling.top_p >= 1.0).all()))
+        if not plain:
+            temp, scale, filtered = _loop_sampling(sampling)
         tokens = []
         for k in range(gamma):
             logits = base[k]
@@ -241,9 +248,7 @@ class BlockDrafter(Drafter):
         vals, idx = base.topk(k_cand, dim=-1)  # [γ, R, K]
         plain = noise is None
         if not plain:
-            temp = sampling.divisor.view(-1, 1)
-            scale = not bool((temp == 1.0).all())
-            filtered = not (bool((sampling.top_k == 0).all()) and bool((sampling.top_p >= 1.0).all()))
+            temp, scale, filtered = _loop_sampling(sampling)
         tokens = []
         for k in range(base.shape[0]):
             cand = vals[k] + torch.bmm(w2[idx[k]], w1[prev].unsqueeze(-1)).squeeze(-1)  # [R, K]
