@@ -116,9 +116,13 @@ def test_training_reduces_loss_and_resumes_exactly(tmp_path):
     assert len(full[0]["accept_rate"]) == 4 and len(full[0]["conf_pred"]) == 4
     _, model_b, _, _ = tiny_setup()
     train(model_b, target, seqs, block_drafter_loss, cfg, tmp_path / "b", log_path=tmp_path / "b.jsonl", stop_after=3)
+    killed_rows = [dict(full[i], loss=-1.0) for i in (3, 4)]  # a run killed after logging steps 4-5, before saving
+    with open(tmp_path / "b.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in killed_rows)
     _, model_c, _, _ = tiny_setup()  # a new process rebuilds the model, then finds the saved state
     train(model_c, target, seqs, block_drafter_loss, cfg, tmp_path / "b", log_path=tmp_path / "b.jsonl")
     resumed_log = [json.loads(l) for l in open(tmp_path / "b.jsonl")]
+    assert [r["step"] for r in resumed_log] == list(range(1, 9))  # the killed run's unsaved steps are redone, once
     assert [r["loss"] for r in resumed_log] == [r["loss"] for r in full]
     elapsed = [r["elapsed_s"] for r in resumed_log]  # training time counts every segment
     assert all(t1 > t0 for t0, t1 in zip(elapsed, elapsed[1:]))

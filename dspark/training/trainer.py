@@ -119,6 +119,18 @@ def load_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -
     return int(meta["step"]), float(meta.get("seconds", 0.0))
 
 
+def _drop_log_rows_after(log_path: Path, step: int) -> None:
+    """Keep only the log rows up to `step`: a run killed between checkpoints logged steps it will redo."""
+    if not log_path.exists():
+        return
+    lines = log_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = log_path.with_name(log_path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(log_path)
+
+
 def train(
     model: nn.Module,
     target_model: nn.Module,
@@ -155,6 +167,7 @@ def train(
     log = None
     if log_path and rank == 0:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        _drop_log_rows_after(Path(log_path), step)
         log = open(log_path, "a", encoding="utf-8")
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, mininterval=5)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
