@@ -1,6 +1,6 @@
 """How much DSpark's sequential head adds to a decoding round, measured side by side.
 
-    python benchmarks/head_overhead.py [--drafter dspark] [--rounds 60] [--batch 1] [--bias-candidates K]
+    python benchmarks/head_overhead.py [--drafter dspark] [--rounds 60] [--batch 1] [--bias-candidates K] [--no-markov-table]
 
 Runs the same prompts through the drafter with its Markov/RNN and confidence heads, and through the same
 backbone with the heads removed (plain DFlash drafting), alternating, temperature 1, and reports
@@ -57,10 +57,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="requests per round")
     parser.add_argument("--bias-candidates", type=int, default=None,
                         help="Markov bias on each slot's top-K base logits only (BlockDrafter.bias_candidates)")
+    parser.add_argument("--no-markov-table", action="store_true",
+                        help="compute the Markov bias as W1[x]·W2ᵀ per slot instead of reading the precomputed V×V table")
     args = parser.parse_args()
     target = load_target()
     with_head = load_drafter(args.drafter, target)
     with_head.bias_candidates = args.bias_candidates
+    with_head.markov_table = with_head.markov_table and not args.no_markov_table
     without = copy.copy(with_head)
     without.model = copy.deepcopy(with_head.model)
     without.model.markov_head = None
@@ -72,7 +75,8 @@ def main() -> None:
         for name, d in (("with heads", with_head), ("without heads", without)):
             rows[name].append(time_rounds(target, d, batch, args.rounds))
     print(f"command: python benchmarks/head_overhead.py --drafter {args.drafter} --rounds {args.rounds} --batch {args.batch} "
-          f"--prompts {args.prompts}" + (f" --bias-candidates {args.bias_candidates}" if args.bias_candidates else ""))
+          f"--prompts {args.prompts}" + (f" --bias-candidates {args.bias_candidates}" if args.bias_candidates else "")
+          + (" --no-markov-table" if args.no_markov_table else ""))
     base_d = statistics.mean(r[0] for r in rows["without heads"])
     base_r = statistics.mean(r[1] for r in rows["without heads"])
     for name, vals in rows.items():

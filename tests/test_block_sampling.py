@@ -118,3 +118,20 @@ def test_candidate_drafting_is_lossless_and_restricted(bundled_target):
     _, q = draw(drafter, bundled_target, prompts[1], SamplingParams(temperature=1.0), rows=50, seed=4)
     support = (q > 0).sum(-1)
     assert int(support.max()) <= 4 and torch.allclose(q.sum(-1), torch.ones_like(q.sum(-1)))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)],
+                         ids=["greedy", "T0.8-topk20-topp0.9"])
+def test_markov_table_equals_the_rank_r_product(bundled_target, params):
+    """The precomputed V×V Markov bias table drafts the same tokens with the same q as W1[x]·W2ᵀ per slot."""
+    table = dspark.load_drafter("dspark", bundled_target)
+    product = dspark.load_drafter("dspark", bundled_target)
+    product.markov_table = False
+    assert table.markov_table  # the bundled vocabulary (8192) is within the default table budget
+    ids = encode_prompt(bundled_target, "Write a poem about the sea.")
+    a_tokens, a_q = draw(table, bundled_target, ids, params, rows=64, seed=5)
+    b_tokens, b_q = draw(product, bundled_target, ids, params, rows=64, seed=5)
+    assert hasattr(table, "_markov_table_cache") and not hasattr(product, "_markov_table_cache")
+    assert (a_tokens == b_tokens).all()
+    if a_q is not None:
+        assert torch.allclose(a_q, b_q, atol=1e-5)

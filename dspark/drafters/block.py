@@ -40,6 +40,9 @@ class DSparkModel(DFlashBackbone):
         return self.markov_head.markov_w1(prev)
 
 
+MARKOV_TABLE_MAX_BYTES = 256 * 2**20  # a float32 [V, V] Markov bias table up to V = 8192
+
+
 class ContextCache:
     """Per-layer projected context K/V for a batch of rows of different lengths (padding masked).
 
@@ -104,16 +107,22 @@ class BlockDrafter(Drafter):
     """DFlash / DSpark drafting for a batch, using the target's embedding and LM head."""
 
     def __init__(self, model: DSparkModel, target: CausalLM, name: str = "dspark", max_drafts: int | None = None,
-                 bias_candidates: int | None = None) -> None:
+                 bias_candidates: int | None = None, markov_table: bool | None = None) -> None:
         """`bias_candidates` K: a vanilla Markov head adds its bias only to each slot's K largest base logits
         and drafts from those K tokens (q is zero elsewhere), so a high-rank head reads K rows of W2 per
-        slot instead of all V; None adds it to the whole vocabulary."""
+        slot instead of all V; None adds it to the whole vocabulary.
+
+        `markov_table`: precompute the vanilla Markov bias of every previous token, W1·W2ᵀ [V, V] in
+        float32, so a slot's bias is one row read instead of a rank-r product over all of W2; None does
+        so when the table takes at most MARKOV_TABLE_MAX_BYTES (vocabularies up to 8192)."""
         if max_drafts is not None and not 1 <= max_drafts <= model.cfg.num_drafts:
             raise ValueError(f"gamma must be in [1, {model.cfg.num_drafts}] for this drafter, got {max_drafts}")
         if bias_candidates is not None and not 1 <= bias_candidates <= model.cfg.vocab_size:
             raise ValueError(f"bias_candidates must be in [1, {model.cfg.vocab_size}], got {bias_candidates}")
         self.max_drafts = max_drafts
         self.bias_candidates = bias_candidates
+        vocab = model.cfg.vocab_size
+        self.markov_table = vocab * vocab * 4 <= MARKOV_TABLE_MAX_BYTES if markov_table is None else markov_table
         self.model = model.eval()
         self.cfg = model.cfg
         self.name = name
@@ -210,7 +219,8 @@ class BlockDrafter(Drafter):
         fused = type(head) is MarkovHead and head.gate_proj is None
         if fused and self.bias_candidates is not None:
             return self._sample_candidates(base, prev, sampling, noise, self.bias_candidates)
-        if fused:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k in place by one addmm per slot
+        table = self._markov_table() if fused and self.markov_table else None
+        if fused and table is None:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k in place by one addmm per slot
             w1, w2t = self._markov_weights()
         state = head.init_state(num_rows, h.device, h.dtype)
         plain = noise is None  # all greedy: argmax of U_k + bias
@@ -219,7 +229,9 @@ class BlockDrafter(Drafter):
         tokens = []
         for k in range(gamma):
             logits = base[k]
-            if fused:
+            if table is not None:  # the same bias, precomputed: one row per previous token
+                logits.add_(table[prev])
+            elif fused:
                 logits.addmm_(w1[prev], w2t)
             else:
                 bias, state = head.step(h[:, k], prev, state)
@@ -271,6 +283,14 @@ class BlockDrafter(Drafter):
             self._markov_rows_cache = w2t.t().contiguous()
             self._markov_rows_src = w2t
         return self._markov_rows_cache
+
+    def _markov_table(self) -> torch.Tensor:
+        """W1 · W2ᵀ [V, V] in float32: row x is the Markov bias after token x (rebuilt when the weights change)."""
+        w1, w2t = self._markov_weights()
+        if getattr(self, "_markov_table_src", None) is not w2t:
+            self._markov_table_cache = w1 @ w2t
+            self._markov_table_src = w2t
+        return self._markov_table_cache
 
     def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 W1 [V, r] and W2ᵀ [r, V] of the vanilla Markov head, converted once per weight version."""
