@@ -17,6 +17,7 @@ RNN_STEPS=${RNN_STEPS:-4000}
 EAGLE_STEPS=${EAGLE_STEPS:-2700}
 LAYERS=${LAYERS:-2}     # draft layers of the block drafters (EAGLE-3 has one, as in its paper)
 MLP=${MLP:-480}         # their MLP width (half the target's; keeps the zoo within 60 MB)
+# DSpark's Markov head has rank 256 (benchmarks/results/rank/); it and DSpark-RNN are stored int8 to fit 60 MB.
 CORPUS="data/corpus/code_train.jsonl data/corpus/prose_train.jsonl data/corpus/math_train.jsonl"
 # Target-only decoding at batch 64 regenerates fastest on a CPU; any drafter gives the same distribution.
 dspark regenerate $CORPUS --limit "$FIRST" --out data/regen/train.jsonl --max-new-tokens 160 --drafter draft-model
@@ -30,7 +31,8 @@ train() {  # kind, steps, extra args
     OMP_NUM_THREADS=1 dspark train "$kind" --data data/regen/all.jsonl --out "zoo/$kind" --steps "$steps" --batch 8 \
         --lr 1e-3 "$@" > "data/train_$kind.log" 2>&1
 }
-(train dspark "$STEPS" --layers "$LAYERS" --intermediate-size "$MLP"; train eagle3 "$EAGLE_STEPS") &
+(train dspark "$STEPS" --layers "$LAYERS" --intermediate-size "$MLP" --markov-rank 256 --int8; \
+    train eagle3 "$EAGLE_STEPS") &
 (train dflash "$STEPS" --layers "$LAYERS" --intermediate-size "$MLP"; \
-    train dspark-rnn "$RNN_STEPS" --layers "$LAYERS" --intermediate-size "$MLP") &
+    train dspark-rnn "$RNN_STEPS" --layers "$LAYERS" --intermediate-size "$MLP" --int8) &
 wait
