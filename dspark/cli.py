@@ -105,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, ckpt_every=args.ckpt_every,
                       bf16=not args.no_bf16)
     last = train_drafter(args.kind, target, args.data, args.out, cfg, layers=args.layers, block_size=args.block_size,
-                         markov_rank=args.markov_rank, num_anchors=args.num_anchors,
+                         markov_rank=args.markov_rank or (256 if args.kind == "dspark" else 32), num_anchors=args.num_anchors,
                          intermediate_size=args.intermediate_size, int8=args.int8)
     print(f"trained {args.kind}: {json.dumps(last)}")
     return 0
@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=1, help="draft layers (block drafters)")
     t.add_argument("--intermediate-size", type=int, default=None, help="MLP width of the draft layers (default: the target's)")
     t.add_argument("--block-size", type=int, default=7)
-    t.add_argument("--markov-rank", type=int, default=32)
+    t.add_argument("--markov-rank", type=int, default=None,
+                   help="rank of the sequential head (default: 256 for dspark, as bundled and in DeepSpec; 32 for dspark-rnn)")
     t.add_argument("--num-anchors", type=int, default=64)
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)

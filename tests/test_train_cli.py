@@ -36,6 +36,8 @@ def test_train_cli_produces_a_loadable_lossless_drafter(regenerated, tmp_path, k
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2] and len(log[-1]["accept_rate"]) == 7
     drafter = dspark.load_drafter(str(out), bundled_target)
+    if kind == "dspark":
+        assert drafter.cfg.markov_rank == 256  # the CLI default, as bundled
     ids = [bundled_target.tokenizer("def add(a, b):", add_special_tokens=False)["input_ids"]]
     ref = decode(bundled_target, NoDrafter(), ids, max_new_tokens=24)
     got = decode(bundled_target, drafter, ids, max_new_tokens=24)
