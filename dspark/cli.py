@@ -86,7 +86,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
     from dspark.sampling import SamplingParams
-    from dspark.training.data import read_prompts, regenerate
+    from dspark.training.data import regenerate
+    from dspark.training.prompts import read_prompts
 
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target, args.gamma, args.bias_candidates)
@@ -141,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
     r = sub.add_parser("regenerate", help="answer prompts with the target (drafter training data)")
-    r.add_argument("prompts", nargs="+", help="JSONL files of {turns: [...]} or {conversations: [...]}")
+    r.add_argument("prompts", nargs="+", help="JSONL files or Hugging Face datasets on disk (save_to_disk folder, .parquet, .arrow) "
+                   "of rows with turns, conversations, messages or prompt")
     r.add_argument("--out", required=True)
     r.add_argument("--limit", type=int, default=None, help="prompts per file")
     r.add_argument("--skip", type=int, default=0, help="skip the first prompts of each file (extend a data set)")

@@ -22,35 +22,6 @@ from dspark.target import CausalLM
 REGEN_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
 
 
-def read_prompts(path: str | Path, limit: int | None = None, skip: int = 0) -> list[str]:
-    """First user turns of a JSONL file of `{"turns": [...]}` or `{"conversations": [{role, content}]}` rows.
-
-    `skip` drops the first prompts (to extend an earlier regeneration with new ones), `limit` caps the rest.
-    """
-    prompts = []
-    seen = 0
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "turns" in row:
-                prompts.append(row["turns"][0])
-            elif "conversations" in row:
-                user = [m["content"] for m in row["conversations"] if m.get("role") in ("user", "human")]
-                if user:
-                    prompts.append(user[0])
-            else:
-                raise ValueError(f"{path}:{line_no}: expected a 'turns' or 'conversations' field")
-            seen += 1
-            if seen <= skip:
-                prompts.clear()
-                continue
-            if limit is not None and len(prompts) >= limit:
-                break
-    return prompts
-
-
 def regenerate(
     target: CausalLM,
     drafter: Drafter,
