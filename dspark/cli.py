@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.set_defaults(func=cmd_bench)
     r = sub.add_parser("regenerate", help="answer prompts with the target (drafter training data)")
-    r.add_argument("prompts", nargs="+", help="JSONL files or Hugging Face datasets on disk (save_to_disk folder, .parquet, .arrow) "
-                   "of rows with turns, conversations, messages or prompt")
+    r.add_argument("prompts", nargs="+", help="JSONL files or Hugging Face datasets on disk (save_to_disk folder, "
+                   ".parquet, .arrow) of rows with turns, conversations, messages or prompt")
     r.add_argument("--out", required=True)
     r.add_argument("--limit", type=int, default=None, help="prompts per file")
     r.add_argument("--skip", type=int, default=0, help="skip the first prompts of each file (extend a data set)")
