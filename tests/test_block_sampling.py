@@ -123,7 +123,7 @@ def test_candidate_drafting_is_lossless_and_restricted(bundled_target):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)],
                          ids=["greedy", "T0.8-topk20-topp0.9"])
 def test_markov_table_equals_the_rank_r_product(bundled_target, params):
-    """The precomputed V×V Markov bias table drafts the same tokens with the same q as W1[x]·W2ᵀ per slot."""
+    """The cached rows of the V×V Markov bias table draft the same tokens with the same q as W1[x]·W2ᵀ per slot."""
     table = dspark.load_drafter("dspark", bundled_target)
     product = dspark.load_drafter("dspark", bundled_target)
     product.markov_table = False
@@ -131,7 +131,23 @@ def test_markov_table_equals_the_rank_r_product(bundled_target, params):
     ids = encode_prompt(bundled_target, "Write a poem about the sea.")
     a_tokens, a_q = draw(table, bundled_target, ids, params, rows=64, seed=5)
     b_tokens, b_q = draw(product, bundled_target, ids, params, rows=64, seed=5)
-    assert hasattr(table, "_markov_table_cache") and not hasattr(product, "_markov_table_cache")
+    filled = int(table._markov_table_filled.sum())  # rows are computed only for tokens that preceded a slot
+    assert 1 < filled < bundled_target.vocab_size and not hasattr(product, "_markov_table_cache")
     assert (a_tokens == b_tokens).all()
     if a_q is not None:
         assert torch.allclose(a_q, b_q, atol=1e-5)
+
+
+def test_markov_table_fills_at_once_past_an_eighth(bundled_target):
+    """Row by row while few tokens have been seen; past 1/32 of the vocabulary, the whole table in one product."""
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    vocab = bundled_target.vocab_size
+    w1, w2t = drafter._markov_weights()
+    few = torch.arange(10, 20)
+    torch.testing.assert_close(drafter._markov_rows_for(few), w1[few] @ w2t)
+    assert drafter._markov_rows_for(None) is None  # not full yet: the loop asks row by row
+    assert int(drafter._markov_table_filled.sum()) == 10
+    many = torch.arange(0, vocab // 32)
+    drafter._markov_rows_for(many)
+    assert bool(drafter._markov_table_filled.all())
+    torch.testing.assert_close(drafter._markov_rows_for(None), w1 @ w2t)

@@ -41,6 +41,7 @@ class DSparkModel(DFlashBackbone):
 
 
 MARKOV_TABLE_MAX_BYTES = 256 * 2**20  # a float32 [V, V] Markov bias table up to V = 8192
+MARKOV_TABLE_FILL_FRACTION = 32  # once 1/32 of its rows are computed one by one, compute the rest at once
 
 
 class ContextCache:
@@ -112,9 +113,10 @@ class BlockDrafter(Drafter):
         and drafts from those K tokens (q is zero elsewhere), so a high-rank head reads K rows of W2 per
         slot instead of all V; None adds it to the whole vocabulary.
 
-        `markov_table`: precompute the vanilla Markov bias of every previous token, W1·W2ᵀ [V, V] in
-        float32, so a slot's bias is one row read instead of a rank-r product over all of W2; None does
-        so when the table takes at most MARKOV_TABLE_MAX_BYTES (vocabularies up to 8192)."""
+        `markov_table`: keep the vanilla Markov bias of each previous token, a row of W1·W2ᵀ [V, V] in
+        float32, computed the first time that token precedes a slot (and the whole table at once when
+        1/32 of it has been); later slots after it read the row instead of a rank-r product over all of
+        W2. None does so when the whole table takes at most MARKOV_TABLE_MAX_BYTES (V up to 8192)."""
         if max_drafts is not None and not 1 <= max_drafts <= model.cfg.num_drafts:
             raise ValueError(f"gamma must be in [1, {model.cfg.num_drafts}] for this drafter, got {max_drafts}")
         if bias_candidates is not None and not 1 <= bias_candidates <= model.cfg.vocab_size:
@@ -219,8 +221,9 @@ class BlockDrafter(Drafter):
         fused = type(head) is MarkovHead and head.gate_proj is None
         if fused and self.bias_candidates is not None:
             return self._sample_candidates(base, prev, sampling, noise, self.bias_candidates)
-        table = self._markov_table() if fused and self.markov_table else None
-        if fused and table is None:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k in place by one addmm per slot
+        use_table = fused and self.markov_table
+        full_table = self._markov_rows_for(None) if use_table else None  # None until every row is computed
+        if fused and not use_table:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k in place by one addmm per slot
             w1, w2t = self._markov_weights()
         state = head.init_state(num_rows, h.device, h.dtype)
         plain = noise is None  # all greedy: argmax of U_k + bias
@@ -229,8 +232,8 @@ class BlockDrafter(Drafter):
         tokens = []
         for k in range(gamma):
             logits = base[k]
-            if table is not None:  # the same bias, precomputed: one row per previous token
-                logits.add_(table[prev])
+            if use_table:  # the same bias, one cached row per previous token
+                logits.add_(full_table[prev] if full_table is not None else self._markov_rows_for(prev))
             elif fused:
                 logits.addmm_(w1[prev], w2t)
             else:
@@ -284,13 +287,31 @@ class BlockDrafter(Drafter):
             self._markov_rows_src = w2t
         return self._markov_rows_cache
 
-    def _markov_table(self) -> torch.Tensor:
-        """W1 · W2ᵀ [V, V] in float32: row x is the Markov bias after token x (rebuilt when the weights change)."""
+    def _markov_rows_for(self, prev: torch.Tensor | None) -> torch.Tensor | None:
+        """The Markov bias rows W1[x]·W2ᵀ [R, V] of the tokens `prev`, from the row cache (filled on a miss).
+
+        With prev None: the whole table once every row is computed, else None."""
         w1, w2t = self._markov_weights()
         if getattr(self, "_markov_table_src", None) is not w2t:
-            self._markov_table_cache = w1 @ w2t
+            vocab = w2t.shape[1]  # the rows are written when first needed; untouched pages cost no memory
+            self._markov_table_cache = torch.empty(vocab, vocab, dtype=torch.float32, device=w2t.device)
+            self._markov_table_filled = torch.zeros(vocab, dtype=torch.bool, device=w2t.device)
             self._markov_table_src = w2t
-        return self._markov_table_cache
+            self._markov_table_full = False
+        table, filled = self._markov_table_cache, self._markov_table_filled
+        if prev is None:
+            return table if self._markov_table_full else None
+        if not self._markov_table_full and not bool(filled[prev].all()):
+            missing = prev[~filled[prev]].unique()
+            table[missing] = w1[missing] @ w2t
+            filled[missing] = True
+            if int(filled.sum()) * MARKOV_TABLE_FILL_FRACTION >= filled.numel():
+                # past 1/32 of the rows, filling the rest in one product costs less than row by row
+                rest = (~filled).nonzero().squeeze(1)
+                table[rest] = w1[rest] @ w2t
+                filled[rest] = True
+                self._markov_table_full = True
+        return table[prev]
 
     def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 W1 [V, r] and W2ᵀ [r, V] of the vanilla Markov head, converted once per weight version."""
