@@ -67,6 +67,27 @@ def test_losses_weights_and_confidence_target():
     assert torch.allclose(total, 0.1 * stats["ce"] + 0.9 * stats["tv"] + stats["conf"])
     total, stats = drafter_loss(draft, target, labels, valid, DFLASH_WEIGHTS)
     assert torch.allclose(total, stats["ce"]) and "conf" not in stats
+    # precomputed target probabilities give the same loss as the target logits
+    a, _ = drafter_loss(draft, target, labels, valid, LossWeights(0.1, 0.9, 1.0, 4.0), conf)
+    b, _ = drafter_loss(draft, None, labels, valid, LossWeights(0.1, 0.9, 1.0, 4.0), conf,
+                        target_probs=torch.softmax(target, -1))
+    assert torch.allclose(a, b)
+
+
+def test_markov_block_bias_per_distinct_token_matches_per_slot():
+    from dspark.drafters.heads import MarkovHead
+
+    torch.manual_seed(0)
+    head = MarkovHead(50, 8, 4)
+    torch.nn.init.normal_(head.markov_w2.weight)
+    prev = torch.tensor([[3, 7, 3, 9], [7, 7, 1, 3]])  # repeated tokens, as overlapping training blocks have
+    fast = head.block_bias(torch.zeros(2, 4, 8), prev)
+    slow = head.markov_w2(head.markov_w1(prev))
+    assert fast.shape == (2, 4, 50) and torch.allclose(fast, slow)
+    g = torch.randn_like(slow)
+    grads = [torch.autograd.grad((out * g).sum(), [head.markov_w1.weight, head.markov_w2.weight])
+             for out in (head.block_bias(torch.zeros(2, 4, 8), prev), head.markov_w2(head.markov_w1(prev)))]
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(*grads))
 
 
 def test_training_blocks_equal_inference_blocks():

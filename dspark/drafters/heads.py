@@ -40,8 +40,14 @@ class MarkovHead(nn.Module):
         return self.markov_w2(e), state
 
     def block_bias(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """bias [..., γ, V] for all slots at once given the previous tokens (teacher forcing)."""
-        return self.step(h, prev, None)[0]
+        """bias [..., γ, V] for all slots at once given the previous tokens (teacher forcing).
+
+        Without a gate the bias depends on the previous token only, so it is computed once per distinct
+        token and gathered (training blocks overlap: far fewer distinct tokens than slots)."""
+        if self.gate_proj is not None:
+            return self.step(h, prev, None)[0]
+        uniq, inv = torch.unique(prev, return_inverse=True)
+        return self.markov_w2(self.markov_w1(uniq))[inv]
 
 
 class RNNHead(nn.Module):

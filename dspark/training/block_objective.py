@@ -49,5 +49,6 @@ def block_drafter_loss(
     conf = None
     if model.confidence_head is not None:
         conf = model.confidence_head(h, model.prev_embed(blocks.prev_ids))
-    target_logits = t_logits[blocks.label_pos]
-    return drafter_loss(logits, target_logits, blocks.labels, blocks.valid, weights, conf)
+    # Softmax once per sequence position; the blocks' slots gather from it (they overlap).
+    target_probs = torch.softmax(t_logits.float(), -1)[blocks.label_pos]
+    return drafter_loss(logits, None, blocks.labels, blocks.valid, weights, conf, target_probs=target_probs)

@@ -41,17 +41,22 @@ def drafter_loss(
     valid: torch.Tensor,
     weights: LossWeights,
     conf_logits: torch.Tensor | None = None,
+    target_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Total loss and its detached terms; draft/target logits [..., γ, V], labels/valid/conf [..., γ].
+
+    `target_probs` (softmax of the target logits, same shape) may be passed instead of `target_logits`
+    when the caller has them already.
 
     Also returns `accept_rate` [γ]: the mean analytic acceptance c* per slot (predicted per-position
     acceptance), and the confidence head's mean prediction per slot when it exists.
     """
     w = position_weights(valid, weights.decay)
     denom = w.sum().clamp_min(1e-6)
-    ce = F.cross_entropy(draft_logits.float().flatten(0, -2), labels.flatten(), reduction="none").view_as(w)
-    p_d = torch.softmax(draft_logits.float(), -1)
-    p_t = torch.softmax(target_logits.float(), -1)
+    log_q = torch.log_softmax(draft_logits.float(), -1)
+    ce = -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p_d = log_q.exp()
+    p_t = target_probs if target_probs is not None else torch.softmax(target_logits.float(), -1)
     l1 = (p_d - p_t).abs().sum(-1)
     terms = {"ce": (w * ce).sum() / denom, "tv": (w * l1).sum() / denom}
     total = weights.ce * terms["ce"] + weights.tv * terms["tv"]
