@@ -108,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       bf16=not args.no_bf16)
     last = train_drafter(args.kind, target, args.data, args.out, cfg, layers=args.layers, block_size=args.block_size,
                          markov_rank=args.markov_rank or (256 if args.kind == "dspark" else 32), num_anchors=args.num_anchors,
-                         intermediate_size=args.intermediate_size, int8=args.int8)
+                         intermediate_size=args.intermediate_size, int8=args.int8, markov_head=args.markov_head)
     print(f"trained {args.kind}: {json.dumps(last)}")
     return 0
 
@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, default=7)
     t.add_argument("--markov-rank", type=int, default=None,
                    help="rank of the sequential head (default: 256 for dspark, as bundled and in DeepSpec; 32 for dspark-rnn)")
+    t.add_argument("--markov-head", choices=["vanilla", "gated"], default="vanilla",
+                   help="dspark's Markov head: vanilla (bias W2·W1[x], as bundled) or gated by the slot's hidden state")
     t.add_argument("--num-anchors", type=int, default=64)
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)

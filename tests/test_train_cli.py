@@ -27,18 +27,31 @@ def regenerated(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
-def test_train_cli_produces_a_loadable_lossless_drafter(regenerated, tmp_path, kind, bundled_target):
+@pytest.mark.parametrize("kind,extra", [("dspark", []), ("eagle3", []),
+                                        ("dspark", ["--markov-head", "gated", "--markov-rank", "16"])])
+def test_train_cli_produces_a_loadable_lossless_drafter(regenerated, tmp_path, kind, extra, bundled_target):
     out = tmp_path / kind
     assert main(["train", kind, "--data", str(regenerated), "--out", str(out), "--steps", "2", "--batch", "2",
-                 "--num-anchors", "8", "--ckpt-every", "1"]) == 0
+                 "--num-anchors", "8", "--ckpt-every", "1", *extra]) == 0
     assert (out / "model.safetensors").exists() and (out / "README.md").exists()
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2] and len(log[-1]["accept_rate"]) == 7
     drafter = dspark.load_drafter(str(out), bundled_target)
-    if kind == "dspark":
+    if kind == "dspark" and not extra:
         assert drafter.cfg.markov_rank == 256  # the CLI default, as bundled
+        assert drafter.cfg.markov_head_type == "vanilla"
+    if extra:
+        assert drafter.cfg.markov_head_type == "gated" and drafter.model.markov_head.gate_proj is not None
     ids = [bundled_target.tokenizer("def add(a, b):", add_special_tokens=False)["input_ids"]]
     ref = decode(bundled_target, NoDrafter(), ids, max_new_tokens=24)
     got = decode(bundled_target, drafter, ids, max_new_tokens=24)
     assert got[0].token_ids == ref[0].token_ids
+
+
+def test_markov_head_choice_is_checked(bundled_target):
+    from dspark.training.recipes import build_drafter
+
+    with pytest.raises(ValueError, match="dspark kind only"):
+        build_drafter("dflash", bundled_target, markov_head="gated")
+    with pytest.raises(ValueError, match="'vanilla' or 'gated'"):
+        build_drafter("dspark", bundled_target, markov_head="rnn")

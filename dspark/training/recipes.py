@@ -30,11 +30,17 @@ def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
 
 
 def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int = 7, markov_rank: int = 32,
-                  num_feature_layers: int = 5, intermediate_size: int | None = None) -> torch.nn.Module:
+                  num_feature_layers: int = 5, intermediate_size: int | None = None,
+                  markov_head: str = "vanilla") -> torch.nn.Module:
     """A fresh drafter of `kind` whose width, heads and vocabulary follow the target's config.
 
-    `intermediate_size` sets the draft layers' MLP width (default: the target's).
+    `intermediate_size` sets the draft layers' MLP width (default: the target's); `markov_head` picks
+    dspark's head type ("vanilla" or "gated").
     """
+    if markov_head not in ("vanilla", "gated"):
+        raise ValueError(f"markov_head must be 'vanilla' or 'gated', got {markov_head!r}")
+    if markov_head != "vanilla" and kind != "dspark":
+        raise ValueError(f"markov_head={markov_head!r} applies to the dspark kind only, not {kind!r}")
     if kind not in KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}; choose one of {', '.join(KINDS)}")
     tc = target.model.config
@@ -52,7 +58,7 @@ def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int 
     cfg = DFlashConfig(
         **common, num_hidden_layers=layers, mask_token_id=int(mask_id), block_size=block_size,
         markov_rank=0 if kind == "dflash" else markov_rank,
-        markov_head_type="rnn" if kind == "dspark-rnn" else "vanilla",
+        markov_head_type="rnn" if kind == "dspark-rnn" else markov_head,
         enable_confidence_head=kind != "dflash",
     )
     return DSparkModel(cfg)
@@ -61,7 +67,7 @@ def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int 
 def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path, cfg: TrainConfig,
                   layers: int = 1, block_size: int = 7, markov_rank: int = 32, max_len: int = 768,
                   num_anchors: int = 64, save_dtype: torch.dtype | None = torch.bfloat16,
-                  intermediate_size: int | None = None, int8: bool = False) -> dict:
+                  intermediate_size: int | None = None, int8: bool = False, markov_head: str = "vanilla") -> dict:
     """Train a drafter of `kind` on regenerated data and save it with a card; return the last log entry.
 
     The weights are stored in `save_dtype`, or as int8 rows with float32 scales when `int8`.
@@ -69,7 +75,7 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
     out = Path(out)
     torch.manual_seed(cfg.seed)
     model = build_drafter(kind, target, layers, block_size, markov_rank,
-                          intermediate_size=intermediate_size).to(target.device)
+                          intermediate_size=intermediate_size, markov_head=markov_head).to(target.device)
     sequences = [s for s in load_sequences(data, max_len) if int(s[1].sum()) >= 16]
     if kind == "eagle3":
         objective = eagle3_loss
