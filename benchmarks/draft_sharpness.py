@@ -19,10 +19,10 @@ import torch
 
 from dspark.api import load_drafter, load_target
 from dspark.drafters.block import BlockDrafter
-from dspark.training.block_objective import target_pass
+from dspark.training.block_objective import block_logits, target_pass
 from dspark.training.blocks import build_blocks
 from dspark.training.data import load_sequences
-from dspark.training.eagle3_objective import ttt_logits
+from dspark.training.eagle3_objective import ttt_logits, ttt_targets
 
 
 @torch.no_grad()
@@ -34,25 +34,29 @@ def slot_logits(drafter, target_model, ids: torch.Tensor, mask: torch.Tensor):
         m = mask.bool()
         anchors = (m[:-1] & m[1:]).nonzero().flatten()
         blocks = build_blocks(ids, mask, anchors, model.cfg.block_size, model.cfg.mask_token_id)
-        ctx = model.context_kv(feats.unsqueeze(0), torch.arange(ids.shape[0]).unsqueeze(0))
-        emb = target_model.get_input_embeddings()(blocks.input_ids).unsqueeze(0)
-        n, g = blocks.labels.shape
-        h = model(emb, blocks.positions.unsqueeze(0), ctx, blocks.mask.unsqueeze(0)).view(n, g, -1)
-        logits = target_model.get_output_embeddings()(h).float()
-        if model.markov_head is not None:
-            logits = logits + model.markov_head.block_bias(h, blocks.prev_ids).float()
+        logits, _ = block_logits(model, target_model, feats, blocks)
         return logits, t_logits[blocks.label_pos].float(), blocks.valid
     steps = ttt_logits(model, target_model, ids, feats, model.cfg.ttt_length)
-    seq_len, n = ids.shape[0], ids.shape[0] - 2
-    idx = torch.arange(n)
-    lm = mask.bool()
     d, t, v = [], [], []
     for j, lg in enumerate(steps):
-        label_idx, tok_idx = idx + 2 + j, (idx + 1 + j).clamp(max=seq_len - 1)
-        v.append((label_idx < seq_len) & lm[label_idx.clamp(max=seq_len - 1)] & lm[tok_idx])
+        tok_idx, valid = ttt_targets(mask, j)
         d.append(lg)
         t.append(t_logits[tok_idx].float())
+        v.append(valid)
     return torch.stack(d, 1), torch.stack(t, 1), torch.stack(v, 1)
+
+
+@torch.no_grad()
+def expected_acceptance(drafter, target_model, rows, scales=(1.0,)) -> torch.Tensor:
+    """Mean Σ min(p, softmax(logits / s)) per draft temperature scale s and slot [len(scales), γ]."""
+    sums, counts = 0.0, 0.0
+    for ids, mask in rows:
+        d, t, valid = slot_logits(drafter, target_model, ids, mask)
+        p = torch.softmax(t, -1)
+        per = torch.stack([torch.minimum(p, torch.softmax(d / s, -1)).sum(-1) for s in scales])  # [S, n, γ]
+        sums = sums + (per * valid.float()).sum(1)
+        counts = counts + valid.float().sum(0)
+    return sums / counts.clamp_min(1)
 
 
 def main() -> None:
@@ -69,18 +73,7 @@ def main() -> None:
           f"--rows {args.rows} --scales {' '.join(map(str, args.scales))}")
     result = {}
     for name in args.drafters:
-        drafter = load_drafter(name, target)
-        acc = torch.zeros(len(args.scales), 0)
-        sums, counts = None, None
-        for ids, mask in rows:
-            d, t, valid = slot_logits(drafter, target.model, ids, mask)
-            p = torch.softmax(t, -1)
-            per = torch.stack([torch.minimum(p, torch.softmax(d / s, -1)).sum(-1) for s in args.scales])  # [S, n, γ]
-            vf = valid.float()
-            s_ = (per * vf).sum(1)
-            sums = s_ if sums is None else sums + s_
-            counts = vf.sum(0) if counts is None else counts + vf.sum(0)
-        acc = sums / counts.clamp_min(1)  # [S, γ]
+        acc = expected_acceptance(load_drafter(name, target), target.model, rows, args.scales)  # [S, γ]
         result[name] = {"scales": args.scales, "acceptance": acc.tolist()}
         print(f"\n{name}: expected acceptance per slot (teacher-forced), by draft temperature scale")
         for s, row in zip(args.scales, acc):

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from draft_sharpness import slot_logits
+from draft_sharpness import expected_acceptance
 from dspark.api import load_drafter, load_target
 from dspark.training.block_objective import block_drafter_loss
 from dspark.training.data import global_batches, load_sequences
@@ -68,18 +68,6 @@ class RecurrentFromVanilla(nn.Module):
             state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
             outs.append(torch.tanh(o))
         return self.markov_w2(e) + self.out(torch.stack(outs, -2))
-
-
-@torch.no_grad()
-def teacher_forced(drafter, target, rows) -> torch.Tensor:
-    """Expected acceptance per slot over the rows."""
-    sums, counts = 0.0, 0.0
-    for ids, mask in rows:
-        d, t, valid = slot_logits(drafter, target.model, ids, mask)
-        acc = torch.minimum(torch.softmax(t, -1), torch.softmax(d, -1)).sum(-1)
-        sums = sums + (acc * valid).sum(0)
-        counts = counts + valid.float().sum(0)
-    return sums / counts
 
 
 def train_head(drafter, target, sequences, steps: int, lr: float, seed: int = 42) -> None:
@@ -137,7 +125,7 @@ def main() -> None:
 
     def report(label: str, drafter) -> None:
         for path, rows in evals.items():
-            acc = teacher_forced(drafter, target, rows)
+            acc = expected_acceptance(drafter, target.model, rows)[0]
             print(f"  {label:18s} {path}: mean {float(acc.mean()):.4f}  " + " ".join(f"{a:.3f}" for a in acc.tolist()),
                   flush=True)
 

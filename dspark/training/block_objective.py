@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from dspark.drafters.block import DSparkModel
-from dspark.training.blocks import build_blocks, sample_anchors
+from dspark.training.blocks import AnchoredBlocks, build_blocks, sample_anchors
 from dspark.training.losses import LossWeights, drafter_loss
 
 
@@ -14,6 +14,23 @@ def target_pass(target_model, input_ids: torch.Tensor, layer_ids: list[int]) -> 
     out = target_model(input_ids=input_ids.unsqueeze(0), output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1)
     return feats, out.logits[0]
+
+
+def block_logits(model: DSparkModel, target_model, feats: torch.Tensor, blocks: AnchoredBlocks
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced draft logits [n, γ, V] (backbone plus sequential bias) and hidden states [n, γ, d]
+    of the anchored `blocks` of one sequence whose target features are `feats` [S, m*d]."""
+    seq_len = feats.shape[0]
+    ctx_kv = model.context_kv(feats.unsqueeze(0), torch.arange(seq_len, device=feats.device).unsqueeze(0))
+    with torch.no_grad():
+        block_embeds = target_model.get_input_embeddings()(blocks.input_ids).unsqueeze(0)
+    h = model(block_embeds, blocks.positions.unsqueeze(0), ctx_kv, blocks.mask.unsqueeze(0))
+    n, g = blocks.labels.shape
+    h = h.view(n, g, -1)
+    logits = target_model.get_output_embeddings()(h).float()
+    if model.markov_head is not None:
+        logits = logits + model.markov_head.block_bias(h, blocks.prev_ids).float()
+    return logits, h
 
 
 def block_drafter_loss(
@@ -34,18 +51,7 @@ def block_drafter_loss(
         return None
     feats, t_logits = target_pass(target_model, input_ids, cfg.target_layer_ids)
     blocks = build_blocks(input_ids, loss_mask, anchors, cfg.block_size, cfg.mask_token_id)
-    seq_len = input_ids.shape[0]
-    ctx_kv = model.context_kv(feats.unsqueeze(0), torch.arange(seq_len, device=input_ids.device).unsqueeze(0))
-    embed = target_model.get_input_embeddings()
-    lm_head = target_model.get_output_embeddings()
-    with torch.no_grad():
-        block_embeds = embed(blocks.input_ids).unsqueeze(0)
-    h = model(block_embeds, blocks.positions.unsqueeze(0), ctx_kv, blocks.mask.unsqueeze(0))
-    n, g = blocks.labels.shape
-    h = h.view(n, g, -1)
-    logits = lm_head(h).float()
-    if model.markov_head is not None:
-        logits = logits + model.markov_head.block_bias(h, blocks.prev_ids).float()
+    logits, h = block_logits(model, target_model, feats, blocks)
     conf = None
     if model.confidence_head is not None:
         conf = model.confidence_head(h, model.prev_embed(blocks.prev_ids))

@@ -39,6 +39,18 @@ def ttt_logits(model: Eagle3Model, target_model, input_ids: torch.Tensor, feats:
     return out_logits
 
 
+def ttt_targets(loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For TTT step `step` over a sequence with loss_mask [S]: the index [S−2] of the target position
+    whose distribution each row imitates (its token x_{t+1+j}), and whether the row is supervised
+    (its input token and its label x_{t+2+j} are answer tokens)."""
+    seq_len = loss_mask.shape[0]
+    idx = torch.arange(seq_len - 2, device=loss_mask.device)
+    label_idx = idx + 2 + step
+    tok_idx = (idx + 1 + step).clamp(max=seq_len - 1)
+    lm = loss_mask.bool()
+    return tok_idx, (label_idx < seq_len) & lm[label_idx.clamp(max=seq_len - 1)] & lm[tok_idx]
+
+
 def eagle3_loss(
     model: Eagle3Model,
     target_model,
@@ -57,14 +69,10 @@ def eagle3_loss(
     if seq_len < 3:
         return None
     feats, t_logits = target_pass(target_model, input_ids, cfg.target_layer_ids)
-    n = seq_len - 2
-    idx = torch.arange(n, device=input_ids.device)
-    lm = loss_mask.bool()
     total, norm, accept = 0.0, 0.0, []
     for j, logits in enumerate(ttt_logits(model, target_model, input_ids, feats, cfg.ttt_length)):
-        label_idx = idx + 2 + j
-        tok_idx = (idx + 1 + j).clamp(max=seq_len - 1)
-        valid = ((label_idx < seq_len) & lm[label_idx.clamp(max=seq_len - 1)] & lm[tok_idx]).float()
+        tok_idx, valid = ttt_targets(loss_mask, j)
+        valid = valid.float()
         with torch.no_grad():
             p_t = torch.softmax(t_logits[tok_idx].float(), -1)
         if valid.sum() == 0:
