@@ -108,7 +108,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       bf16=not args.no_bf16)
     last = train_drafter(args.kind, target, args.data, args.out, cfg, layers=args.layers, block_size=args.block_size,
                          markov_rank=args.markov_rank or (256 if args.kind == "dspark" else 32), num_anchors=args.num_anchors,
-                         intermediate_size=args.intermediate_size, int8=args.int8, markov_head=args.markov_head)
+                         intermediate_size=args.intermediate_size, int8=args.int8, markov_head=args.markov_head,
+                         feature_cache=args.feature_cache)
     print(f"trained {args.kind}: {json.dumps(last)}")
     return 0
 
@@ -173,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--markov-head", choices=["vanilla", "gated"], default="vanilla",
                    help="dspark's Markov head: vanilla (bias W2·W1[x], as bundled) or gated by the slot's hidden state")
     t.add_argument("--num-anchors", type=int, default=64)
+    t.add_argument("--feature-cache", default=None, metavar="DIR",
+                   help="read the target's features from safetensors shards in DIR, built there on first use and "
+                        "reused by later runs on the same data (any drafter kind), instead of a target pass per step")
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)
     t.add_argument("--no-bf16", action="store_true")

@@ -55,3 +55,22 @@ def test_markov_head_choice_is_checked(bundled_target):
         build_drafter("dflash", bundled_target, markov_head="gated")
     with pytest.raises(ValueError, match="'vanilla' or 'gated'"):
         build_drafter("dspark", bundled_target, markov_head="rnn")
+
+
+def test_feature_cache_from_the_cli_trains_as_on_the_fly_and_is_reused(regenerated, tmp_path):
+    def run(kind, out, *extra):
+        assert main(["train", kind, "--data", str(regenerated), "--out", str(tmp_path / out), "--steps", "2",
+                     "--batch", "2", "--num-anchors", "8", "--markov-rank", "16", *extra]) == 0
+        return [json.loads(line) for line in (tmp_path / out / "train_log.jsonl").read_text().splitlines()]
+
+    cache = tmp_path / "cache"
+    plain = run("dspark", "plain")
+    cached = run("dspark", "cached", "--feature-cache", str(cache))
+    assert [r["loss"] for r in cached] == [r["loss"] for r in plain]
+    assert f"read from the feature cache {cache}" in (tmp_path / "cached" / "README.md").read_text()
+    assert "computed on the fly" in (tmp_path / "plain" / "README.md").read_text()
+    stamps = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    run("eagle3", "eagle3", "--feature-cache", str(cache))  # the same layers: the cache is reused as it is
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
+    assert main(["train", "dspark", "--data", str(regenerated), "--out", str(tmp_path / "x"), "--steps", "1",
+                 "--feature-cache", str(cache), "--no-bf16"]) == 2  # a float32 run does not fit a bf16 cache

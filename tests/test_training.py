@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -151,13 +152,16 @@ def test_training_reduces_loss_and_resumes_exactly(tmp_path):
         assert torch.equal(p, q)
 
 
-def test_ddp_two_processes_equal_single_process(tmp_path):
+@pytest.mark.parametrize("features", ["on-the-fly", "cache"])
+def test_ddp_two_processes_equal_single_process(tmp_path, features):
     target, model, seqs, cfg = tiny_setup()
     train(model, target, seqs, block_drafter_loss, cfg, tmp_path / "single")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
-           str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path)]
+           str(ROOT / "tests" / "ddp_worker.py"), str(tmp_path), features]
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    if features == "cache":
+        assert len(list((tmp_path / "cache").glob("shard-*.safetensors"))) == 3
     ddp = load_file(str(tmp_path / "ddp.safetensors"))
     for name, p in model.state_dict().items():
         torch.testing.assert_close(ddp[name], p, atol=1e-5, rtol=1e-4)

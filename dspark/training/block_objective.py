@@ -41,15 +41,19 @@ def block_drafter_loss(
     generator: torch.Generator,
     num_anchors: int,
     weights: LossWeights,
+    target_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """Loss of a block drafter on one sequence (input_ids, loss_mask [S]); None when it has no anchor."""
+    """Loss of a block drafter on one sequence (input_ids, loss_mask [S]); None when it has no anchor.
+
+    `target_out` = (features, logits) of the sequence from a feature cache; computed here when None.
+    """
     cfg = model.cfg
     if cfg.slot_convention != "next":
         raise ValueError("training supports the 'next' slot convention (DeepSpec/DSpark) only")
     anchors = sample_anchors(loss_mask, num_anchors, generator)
     if anchors.numel() == 0:
         return None
-    feats, t_logits = target_pass(target_model, input_ids, cfg.target_layer_ids)
+    feats, t_logits = target_out if target_out is not None else target_pass(target_model, input_ids, cfg.target_layer_ids)
     blocks = build_blocks(input_ids, loss_mask, anchors, cfg.block_size, cfg.mask_token_id)
     logits, h = block_logits(model, target_model, feats, blocks)
     conf = None

@@ -57,9 +57,12 @@ def eagle3_loss(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     generator: torch.Generator | None = None,
+    target_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
     """TTT loss of an EAGLE-3 drafter on one sequence (input_ids, loss_mask [S]); None if nothing to learn.
+
+    `target_out` = (features, logits) of the sequence from a feature cache; computed here when None.
 
     Also returns accept_rate [J]: mean analytic acceptance 1 − ½‖p_draft − p_target‖₁ per step (NaN
     for a step without supervised positions).
@@ -68,7 +71,7 @@ def eagle3_loss(
     seq_len = input_ids.shape[0]
     if seq_len < 3:
         return None
-    feats, t_logits = target_pass(target_model, input_ids, cfg.target_layer_ids)
+    feats, t_logits = target_out if target_out is not None else target_pass(target_model, input_ids, cfg.target_layer_ids)
     total, norm, accept = 0.0, 0.0, []
     for j, logits in enumerate(ttt_logits(model, target_model, input_ids, feats, cfg.ttt_length)):
         tok_idx, valid = ttt_targets(loss_mask, j)

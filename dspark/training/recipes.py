@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -16,8 +17,9 @@ from dspark.target import CausalLM
 from dspark.training.block_objective import block_drafter_loss
 from dspark.training.data import load_sequences
 from dspark.training.eagle3_objective import eagle3_loss
+from dspark.training.feature_cache import build_feature_cache
 from dspark.training.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS
-from dspark.training.trainer import TrainConfig, train
+from dspark.training.trainer import TrainConfig, init_distributed, train
 
 KINDS = ("dflash", "dspark", "dspark-rnn", "eagle3")
 
@@ -67,10 +69,13 @@ def build_drafter(kind: str, target: CausalLM, layers: int = 1, block_size: int 
 def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path, cfg: TrainConfig,
                   layers: int = 1, block_size: int = 7, markov_rank: int = 32, max_len: int = 768,
                   num_anchors: int = 64, save_dtype: torch.dtype | None = torch.bfloat16,
-                  intermediate_size: int | None = None, int8: bool = False, markov_head: str = "vanilla") -> dict:
+                  intermediate_size: int | None = None, int8: bool = False, markov_head: str = "vanilla",
+                  feature_cache: str | Path | None = None) -> dict:
     """Train a drafter of `kind` on regenerated data and save it with a card; return the last log entry.
 
     The weights are stored in `save_dtype`, or as int8 rows with float32 scales when `int8`.
+    `feature_cache`: a folder for the target's features of the data (built on first use, then reused
+    by any run on the same data, target and layers) instead of a target forward pass per step.
     """
     out = Path(out)
     torch.manual_seed(cfg.seed)
@@ -83,7 +88,15 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
     else:
         objective = block_drafter_loss
         cfg.objective_kwargs = {"num_anchors": num_anchors, "weights": DFLASH_WEIGHTS if kind == "dflash" else DSPARK_WEIGHTS}
-    last = train(model, target.model, sequences, objective, cfg, out / "_train_state", log_path=out / "train_log.jsonl")
+    cache, cache_note = None, "computed on the fly by the frozen target"
+    if feature_cache is not None:
+        init_distributed(target.device)
+        t0 = time.perf_counter()
+        cache = build_feature_cache(target.model, sequences, model.cfg.target_layer_ids, feature_cache,
+                                    dtype=torch.bfloat16 if cfg.bf16 else torch.float32, autocast=cfg.bf16)
+        cache_note = f"read from the feature cache {feature_cache} (ready after {time.perf_counter() - t0:.0f} s)"
+    last = train(model, target.model, sequences, objective, cfg, out / "_train_state", log_path=out / "train_log.jsonl",
+                 features=cache)
     seconds = last.get("elapsed_s", 0.0)  # over every segment of a resumed run
     import torch.distributed as dist
 
@@ -104,6 +117,7 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
         f"- data: {data} ({len(sequences)} target-regenerated conversations, answers only in the loss)",
         f"- training: {cfg.steps} steps x {cfg.batch} sequences, lr {cfg.lr}, warm-up {cfg.warmup_frac:.0%} then cosine, "
         f"AdamW, clip {cfg.max_grad_norm}, bf16 autocast: {cfg.bf16}, seed {cfg.seed}",
+        f"- target features: {cache_note}",
         f"- training speed: {last.get('tokens_per_s', 0):.0f} sequence tokens/s; {seconds / 60:.1f} minutes of training; "
         f"peak RSS {peak:.0f} MB ({threads} CPU thread{'s' if threads > 1 else ''})",
         f"- final loss {last.get('loss', float('nan')):.3f}; predicted per-position acceptance (last step): "

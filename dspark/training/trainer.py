@@ -23,6 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dspark.training.data import global_batches
+from dspark.training.feature_cache import FeatureCache
 
 Objective = Callable[..., "tuple[torch.Tensor, dict[str, torch.Tensor]] | None"]
 
@@ -56,14 +57,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 class _BatchLoss(nn.Module):
     """Mean objective over this rank's sequences; a module so DDP sees one forward per step."""
 
-    def __init__(self, model: nn.Module, objective: Objective) -> None:
+    def __init__(self, model: nn.Module, objective: Objective, features: FeatureCache | None = None) -> None:
         super().__init__()
         self.model = model
         self.objective = objective
+        self.features = features
 
-    def forward(self, target_model, sequences, generators, kwargs):  # noqa: D102
+    def forward(self, target_model, sequences, generators, kwargs, rows):  # noqa: D102
         losses, stats = [], []
-        for (ids, mask), gen in zip(sequences, generators):
+        for (ids, mask), gen, row in zip(sequences, generators, rows):
+            if self.features is not None:
+                kwargs = dict(kwargs, target_out=self.features.target_pass(row, target_model,
+                                                                          self.model.cfg.target_layer_ids))
             out = self.objective(self.model, target_model, ids, mask, gen, **kwargs)
             if out is not None:
                 losses.append(out[0])
@@ -140,11 +145,13 @@ def train(
     work_dir: str | Path,
     log_path: str | Path | None = None,
     stop_after: int | None = None,
+    features: FeatureCache | None = None,
 ) -> dict:
     """Train `model` (the frozen target only provides features/logits); return a summary.
 
     work_dir keeps the resumable state; a run finding one there continues from it. stop_after ends the
-    run early at that step (used to test resumption).
+    run early at that step (used to test resumption). `features`: a feature cache of `sequences` that
+    replaces the target's forward pass (checked against the target, the data and the drafter's layers).
     """
     device = next(model.parameters()).device
     rank, world = init_distributed(device)
@@ -153,12 +160,14 @@ def train(
     for p in target_model.parameters():
         p.requires_grad_(False)
     target_model.eval()
+    if features is not None:
+        features.check(target_model, sequences, model.cfg.target_layer_ids, autocast_bf16=cfg.bf16)
     work_dir = Path(work_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     resuming = (work_dir / "train_state.json").exists()
     step, seconds_before = load_train_state(work_dir, model, opt) if resuming else (0, 0.0)
-    wrapped: nn.Module = _BatchLoss(model, objective)
+    wrapped: nn.Module = _BatchLoss(model, objective, features)
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(wrapped)  # every parameter is in every loss
     batches = global_batches(len(sequences), cfg.batch, cfg.seed)
@@ -181,7 +190,7 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         with autocast:
-            loss, stats = wrapped(target_model, seqs, gens, cfg.objective_kwargs)
+            loss, stats = wrapped(target_model, seqs, gens, cfg.objective_kwargs, [idx[i] for i in mine])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
