@@ -28,7 +28,7 @@ from torch import nn
 from draft_sharpness import expected_acceptance
 from dspark.api import load_drafter, load_target
 from dspark.training.block_objective import block_drafter_loss
-from dspark.training.data import global_batches, load_sequences
+from dspark.training.data import global_batches, load_sequences, training_sequences
 from dspark.training.losses import LossWeights
 
 
@@ -117,7 +117,7 @@ def main() -> None:
     target = load_target(dtype="float32")
     base = load_drafter(args.drafter, target)
     base.model.float()
-    sequences = [s for s in load_sequences(args.data, 768) if int(s[1].sum()) >= 16]
+    sequences = training_sequences(args.data)
     evals = {path: [r for r in load_sequences(path) if int(r[1].sum()) >= 16][: args.rows] for path in args.eval}
     print(f"command: python benchmarks/head_capacity.py --data {args.data} --eval {' '.join(args.eval)} "
           f"--drafter {args.drafter} --variants {' '.join(args.variants)} --steps {args.steps} --lr {args.lr} "

@@ -105,12 +105,43 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     target = load_target(args.target, "float32", args.device)
     cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, ckpt_every=args.ckpt_every,
-                      bf16=not args.no_bf16)
+                      bf16=_use_bf16(args))
     last = train_drafter(args.kind, target, args.data, args.out, cfg, layers=args.layers, block_size=args.block_size,
                          markov_rank=args.markov_rank or (256 if args.kind == "dspark" else 32), num_anchors=args.num_anchors,
                          intermediate_size=args.intermediate_size, int8=args.int8, markov_head=args.markov_head,
-                         feature_cache=args.feature_cache)
+                         feature_cache=args.feature_cache, tensorboard=args.tensorboard)
     print(f"trained {args.kind}: {json.dumps(last)}")
+    return 0
+
+
+def _use_bf16(args: argparse.Namespace) -> bool:
+    """bf16 autocast unless --no-bf16 or the device lacks native bf16 (then float32, said once)."""
+    from dspark.training.trainer import bf16_supported
+
+    if args.no_bf16:
+        return False
+    if not bf16_supported(args.device):
+        print(f"dspark: {args.device} has no native bfloat16; training in float32", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_cache_features(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark.training.data import training_sequences
+    from dspark.training.feature_cache import build_feature_cache
+    from dspark.training.recipes import spread_layer_ids
+    from dspark.training.trainer import init_distributed
+
+    target = load_target(args.target, "float32", args.device)
+    init_distributed(target.device)
+    layers = args.layers or spread_layer_ids(int(target.model.config.num_hidden_layers), 5)
+    sequences = training_sequences(args.data, args.max_len)
+    bf16 = _use_bf16(args)
+    cache = build_feature_cache(target.model, sequences, layers, args.out,
+                                dtype=torch.bfloat16 if bf16 else torch.float32, autocast=bf16)
+    print(f"feature cache of {len(sequences)} sequences, target layers {cache.meta['layer_ids']}, in {args.out}")
     return 0
 
 
@@ -159,6 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(r)
     r.set_defaults(func=cmd_regenerate)
 
+    c = sub.add_parser("cache-features", help="run the target once over training data and cache its features "
+                                               "for `dspark train --feature-cache` (torchrun splits the work)")
+    c.add_argument("--data", required=True, help="JSONL written by `dspark regenerate`")
+    c.add_argument("--out", required=True, help="cache folder")
+    c.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="target layer ids to cache (default: the 5 that `dspark train` drafters read)")
+    c.add_argument("--max-len", type=int, default=768, help="tokens per sequence, as `dspark train` truncates")
+    c.add_argument("--no-bf16", action="store_true", help="cache float32 features, for `dspark train --no-bf16`")
+    c.add_argument("--target", default=None)
+    c.add_argument("--device", default="cpu")
+    c.set_defaults(func=cmd_cache_features)
+
     t = sub.add_parser("train", help="train a drafter for the target on regenerated data (torchrun for DDP)")
     t.add_argument("kind", choices=["dflash", "dspark", "dspark-rnn", "eagle3"])
     t.add_argument("--data", required=True, help="JSONL written by `dspark regenerate`")
@@ -177,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="read the target's features from safetensors shards in DIR, built there on first use and "
                         "reused by later runs on the same data (any drafter kind), instead of a target pass per step")
+    t.add_argument("--tensorboard", action="store_true",
+                   help="also log the loss terms and per-slot acceptance as TensorBoard events in OUT/tensorboard")
     t.add_argument("--ckpt-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)
     t.add_argument("--no-bf16", action="store_true")

@@ -26,10 +26,14 @@ dspark regenerate $CORPUS --skip "$FIRST" --limit "$MORE" --out data/regen/extra
 dspark regenerate $CORPUS --limit "$T1" --temperature 1.0 --top-k 0 --top-p 1.0 --out data/regen/t1.jsonl \
     --max-new-tokens 160 --drafter none --batch-size 64 --seed 200000
 cat data/regen/train.jsonl data/regen/extra.jsonl data/regen/t1.jsonl > data/regen/all.jsonl
+# One target pass over the data, cached for all four trainings (about 7.4 GB of bf16 features). The zoo's
+# drafters were trained before the cache existed, with the target run at every step; the cache trains
+# the same weights bit for bit (tests/test_feature_cache.py), faster (benchmarks/results/feature_cache.txt).
+dspark cache-features --data data/regen/all.jsonl --out data/features
 train() {  # kind, steps, extra args
     local kind=$1 steps=$2; shift 2
     OMP_NUM_THREADS=1 dspark train "$kind" --data data/regen/all.jsonl --out "zoo/$kind" --steps "$steps" --batch 8 \
-        --lr 1e-3 "$@" > "data/train_$kind.log" 2>&1
+        --lr 1e-3 --feature-cache data/features "$@" > "data/train_$kind.log" 2>&1
 }
 (train dspark "$STEPS" --layers "$LAYERS" --intermediate-size "$MLP" --markov-rank 256 --int8; \
     train eagle3 "$EAGLE_STEPS") &

@@ -64,12 +64,15 @@ def test_feature_cache_from_the_cli_trains_as_on_the_fly_and_is_reused(regenerat
         return [json.loads(line) for line in (tmp_path / out / "train_log.jsonl").read_text().splitlines()]
 
     cache = tmp_path / "cache"
+    assert main(["cache-features", "--data", str(regenerated), "--out", str(cache)]) == 0
+    stamps = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert "index.json" in stamps and "shard-00000.safetensors" in stamps
     plain = run("dspark", "plain")
-    cached = run("dspark", "cached", "--feature-cache", str(cache))
+    cached = run("dspark", "cached", "--feature-cache", str(cache), "--tensorboard")
     assert [r["loss"] for r in cached] == [r["loss"] for r in plain]
+    assert list((tmp_path / "cached" / "tensorboard").glob("events.out.tfevents.*"))
     assert f"read from the feature cache {cache}" in (tmp_path / "cached" / "README.md").read_text()
     assert "computed on the fly" in (tmp_path / "plain" / "README.md").read_text()
-    stamps = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
     run("eagle3", "eagle3", "--feature-cache", str(cache))  # the same layers: the cache is reused as it is
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
     assert main(["train", "dspark", "--data", str(regenerated), "--out", str(tmp_path / "x"), "--steps", "1",

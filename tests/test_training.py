@@ -165,3 +165,36 @@ def test_ddp_two_processes_equal_single_process(tmp_path, features):
     ddp = load_file(str(tmp_path / "ddp.safetensors"))
     for name, p in model.state_dict().items():
         torch.testing.assert_close(ddp[name], p, atol=1e-5, rtol=1e-4)
+
+
+def test_tensorboard_log_matches_the_jsonl_log_and_continues_after_resume(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    target, model, seqs, cfg = tiny_setup()
+    cfg.steps = 6
+    board = tmp_path / "tb"
+    train(model, target, seqs, block_drafter_loss, cfg, tmp_path / "s", log_path=tmp_path / "log.jsonl",
+          stop_after=3, tensorboard_dir=board)
+    with SummaryWriter(str(board)) as killed:  # a run killed after logging steps 4-5, before saving
+        for step in (4, 5):
+            killed.add_scalar("train/loss", -1.0, step)
+    _, model_b, _, _ = tiny_setup()
+    train(model_b, target, seqs, block_drafter_loss, cfg, tmp_path / "s", log_path=tmp_path / "log.jsonl",
+          tensorboard_dir=board)
+    log = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    acc = EventAccumulator(str(board))
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 7))
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in log], rel=1e-6)
+    assert [e.value for e in acc.Scalars("train/accept_rate/slot2")] == pytest.approx(
+        [r["accept_rate"][1] for r in log], rel=1e-6)
+
+
+def test_bf16_autocast_is_used_where_the_device_supports_it():
+    from dspark.training.trainer import bf16_supported
+
+    assert bf16_supported("cpu")
+    if torch.cuda.is_available():
+        assert bf16_supported("cuda") == (torch.cuda.get_device_capability()[0] >= 8)

@@ -63,6 +63,11 @@ def load_sequences(path: str | Path, max_len: int = 1024) -> list[tuple[torch.Te
     return rows
 
 
+def training_sequences(path: str | Path, max_len: int = 768, min_answer: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The sequences drafters train on: the rows of `path` with at least `min_answer` answer tokens."""
+    return [s for s in load_sequences(path, max_len) if int(s[1].sum()) >= min_answer]
+
+
 def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
     """A fresh seeded permutation of the rows for each epoch (identical on every rank)."""
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()

@@ -196,7 +196,7 @@ def build_feature_cache(
                 tensors[f"feats.{row}"] = feats.to(dtype).cpu().contiguous()
                 tensors[f"final.{row}"] = final.to(dtype).cpu().contiguous()
                 bar.update(1)
-            tmp = out / (_shard_name(k) + ".tmp")
+            tmp = out / f"{_shard_name(k)}.{os.getpid()}.tmp"  # two builders never share a file
             save_file(tensors, str(tmp), metadata={"key": key})
             os.replace(tmp, out / _shard_name(k))
     if distributed:
@@ -210,7 +210,7 @@ def build_feature_cache(
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
 

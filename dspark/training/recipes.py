@@ -15,7 +15,7 @@ from dspark.drafters.dflash_model import DFlashConfig
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Model
 from dspark.target import CausalLM
 from dspark.training.block_objective import block_drafter_loss
-from dspark.training.data import load_sequences
+from dspark.training.data import training_sequences
 from dspark.training.eagle3_objective import eagle3_loss
 from dspark.training.feature_cache import build_feature_cache
 from dspark.training.losses import DFLASH_WEIGHTS, DSPARK_WEIGHTS
@@ -70,18 +70,19 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
                   layers: int = 1, block_size: int = 7, markov_rank: int = 32, max_len: int = 768,
                   num_anchors: int = 64, save_dtype: torch.dtype | None = torch.bfloat16,
                   intermediate_size: int | None = None, int8: bool = False, markov_head: str = "vanilla",
-                  feature_cache: str | Path | None = None) -> dict:
+                  feature_cache: str | Path | None = None, tensorboard: bool = False) -> dict:
     """Train a drafter of `kind` on regenerated data and save it with a card; return the last log entry.
 
     The weights are stored in `save_dtype`, or as int8 rows with float32 scales when `int8`.
     `feature_cache`: a folder for the target's features of the data (built on first use, then reused
     by any run on the same data, target and layers) instead of a target forward pass per step.
+    `tensorboard`: also log to TensorBoard events in `out/tensorboard`.
     """
     out = Path(out)
     torch.manual_seed(cfg.seed)
     model = build_drafter(kind, target, layers, block_size, markov_rank,
                           intermediate_size=intermediate_size, markov_head=markov_head).to(target.device)
-    sequences = [s for s in load_sequences(data, max_len) if int(s[1].sum()) >= 16]
+    sequences = training_sequences(data, max_len)
     if kind == "eagle3":
         objective = eagle3_loss
         cfg.objective_kwargs = {}
@@ -96,7 +97,7 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
                                     dtype=torch.bfloat16 if cfg.bf16 else torch.float32, autocast=cfg.bf16)
         cache_note = f"read from the feature cache {feature_cache} (ready after {time.perf_counter() - t0:.0f} s)"
     last = train(model, target.model, sequences, objective, cfg, out / "_train_state", log_path=out / "train_log.jsonl",
-                 features=cache)
+                 features=cache, tensorboard_dir=out / "tensorboard" if tensorboard else None)
     seconds = last.get("elapsed_s", 0.0)  # over every segment of a resumed run
     import torch.distributed as dist
 

@@ -45,6 +45,23 @@ class TrainConfig:
     objective_kwargs: dict = field(default_factory=dict)
 
 
+def bf16_supported(device: torch.device | str) -> bool:
+    """Whether bf16 autocast runs natively on `device` (CPUs do; CUDA from Ampere on; emulation does not count)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch without the argument
+            return torch.cuda.is_bf16_supported()
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            x = torch.ones(2, 2, device=device)
+            (x @ x).sum().item()
+        return True
+    except (RuntimeError, AssertionError):
+        return False
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up over warmup_frac of the steps, then cosine decay to zero."""
     warm = max(1, int(cfg.warmup_frac * cfg.steps))
@@ -146,12 +163,14 @@ def train(
     log_path: str | Path | None = None,
     stop_after: int | None = None,
     features: FeatureCache | None = None,
+    tensorboard_dir: str | Path | None = None,
 ) -> dict:
     """Train `model` (the frozen target only provides features/logits); return a summary.
 
     work_dir keeps the resumable state; a run finding one there continues from it. stop_after ends the
     run early at that step (used to test resumption). `features`: a feature cache of `sequences` that
     replaces the target's forward pass (checked against the target, the data and the drafter's layers).
+    `tensorboard_dir`: also write every logged scalar there as TensorBoard events (needs `tensorboard`).
     """
     device = next(model.parameters()).device
     rank, world = init_distributed(device)
@@ -178,6 +197,7 @@ def train(
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         _drop_log_rows_after(Path(log_path), step)
         log = open(log_path, "a", encoding="utf-8")
+    board = _tensorboard(tensorboard_dir, step) if tensorboard_dir and rank == 0 else None
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, mininterval=5)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
     tokens_seen, start, last = 0, time.perf_counter(), {}
@@ -208,6 +228,12 @@ def train(
             if log:
                 log.write(json.dumps(last) + "\n")
                 log.flush()
+            if board:
+                for key, value in last.items():
+                    for name, v in ([(key, value)] if not isinstance(value, list) else
+                                    [(f"{key}/slot{k + 1}", x) for k, x in enumerate(value)]):
+                        if key != "step":
+                            board.add_scalar(f"train/{name}", v, step)
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.3f}")
         if step % cfg.ckpt_every == 0 or step == end:
@@ -219,4 +245,15 @@ def train(
     bar.close()
     if log:
         log.close()
+    if board:
+        board.close()
     return last
+
+
+def _tensorboard(log_dir: str | Path, step: int):
+    """A SummaryWriter that drops events past `step` left by a killed run, so a resumed curve continues."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError("TensorBoard logging needs the tensorboard package: pip install 'dspark[tensorboard]'") from e
+    return SummaryWriter(str(log_dir), purge_step=step + 1 if step else None)
