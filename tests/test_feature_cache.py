@@ -44,8 +44,9 @@ def test_cached_training_equals_on_the_fly_training(tmp_path, kind, bf16):
 
 def test_cache_returns_the_targets_outputs_for_any_subset_of_its_layers(tmp_path):
     target, _, seqs, _ = tiny_setup()
-    cache = build_feature_cache(target, seqs, [0, 1, 2], tmp_path / "c", dtype=torch.float32, autocast=False)
-    for row in (0, 7, 11):
+    cache = build_feature_cache(target, seqs, [0, 1, 2], tmp_path / "c", dtype=torch.float32, autocast=False,
+                                rows_per_shard=2)  # 6 shards: more than the reader keeps open at once
+    for row in (0, 7, 11, 2, 5, 9, 0):
         feats, _, logits = target_outputs(target, seqs[row][0], [2, 0])
         c_feats, c_logits = cache.target_pass(row, target, [2, 0])
         assert torch.equal(c_feats, feats)
