@@ -5,15 +5,14 @@ import torch
 
 from dspark.drafters.block import DSparkModel
 from dspark.training.blocks import AnchoredBlocks, build_blocks, sample_anchors
+from dspark.training.feature_cache import target_outputs
 from dspark.training.losses import LossWeights, drafter_loss
 
 
-@torch.no_grad()
 def target_pass(target_model, input_ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Frozen target over one sequence [S]: (features [S, m*d] of layers id+1, logits [S, V])."""
-    out = target_model(input_ids=input_ids.unsqueeze(0), output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1)
-    return feats, out.logits[0]
+    feats, _, logits = target_outputs(target_model, input_ids, layer_ids)
+    return feats, logits
 
 
 def block_logits(model: DSparkModel, target_model, feats: torch.Tensor, blocks: AnchoredBlocks
