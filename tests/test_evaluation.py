@@ -32,6 +32,21 @@ def test_bench_runs_drafters_side_by_side(tmp_path):
     for r in rows.values():
         assert r["identical_to_target_only"] == 1.0  # float32: lossless and numerically identical
         assert 0 < r["tokens"] <= sum((i + 1) * n for i, n in enumerate(r["histogram"]))
+        assert sum(r["prompt_tokens"]) == r["tokens"] and sum(r["prompt_rounds"]) == r["rounds"]
+        assert r["tau_se"] >= 0
+    assert rows["none"]["tau_se"] == 0.0 and rows["draft-model"]["tau_se"] > 0
+    macro = {m["drafter"]: m for m in res["macro"]}
+    assert macro["ngram"]["tau_se"] == rows["ngram"]["tau_se"]  # one domain: the macro error is the domain's
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_tau.py"
+    table = subprocess.run([sys.executable, str(script), str(out), "--reference", "draft-model", "--draws", "50"],
+                           check=True, capture_output=True, text=True).stdout
+    ratio = rows["ngram"]["tau"] / rows["draft-model"]["tau"] - 1
+    assert f"| draft-model | {rows['draft-model']['tau']:.2f} |" in table and "| +0.0% | +0.0% .. +0.0% |" in table
+    assert f"| ngram | {rows['ngram']['tau']:.2f} | {rows['ngram']['tau_se']:.2f} | {ratio:+.1%} |" in table
     assert plot.stat().st_size > 1000
 
 
@@ -54,3 +69,58 @@ def test_report_scripts_read_bench_json_and_training_logs(tmp_path):
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "train_curves.py"), str(log), "--window", "2",
                           "--every", "2"], check=True, capture_output=True, text=True).stdout
     assert "4 steps" in out and "last 2 steps: 0.35 0.14" in out and "steps 1-2: 0.15 0.06" in out
+
+
+def _simulated_prompts(rng, n, accept):
+    """Per-prompt (tokens, rounds) of n answers whose rounds accept Binomial(7, accept) drafts."""
+    tokens, rounds = [], []
+    for _ in range(n):
+        a = min(0.95, max(0.05, accept + rng.gauss(0, 0.1)))  # prompts differ in difficulty
+        r = rng.randint(15, 40)
+        tokens.append(sum(1 + sum(rng.random() < a for _ in range(7)) for _ in range(r)))
+        rounds.append(r)
+    return tokens, rounds
+
+
+def test_tau_standard_error_matches_the_spread_of_repeated_benchmarks():
+    import random
+    import statistics
+
+    from dspark.evaluation.metrics import tau_standard_error
+
+    assert tau_standard_error([30, 60], [10, 20]) == 0.0  # every prompt at the same τ
+    rng = random.Random(0)
+    taus, ses = [], []
+    for _ in range(300):
+        t, r = _simulated_prompts(rng, 25, 0.6)
+        taus.append(sum(t) / sum(r))
+        ses.append(tau_standard_error(t, r))
+    spread = statistics.stdev(taus)
+    assert 0.85 * spread < statistics.mean(ses) < 1.15 * spread
+
+
+def test_paired_tau_ratio_interval_covers_the_true_ratio():
+    import random
+
+    import pytest
+
+    from dspark.evaluation.metrics import paired_tau_ratio
+
+    same = {"code": ([30, 60, 45], [10, 20, 9]), "prose": ([20, 22], [10, 11])}
+    assert paired_tau_ratio(same, same, draws=50) == (1.0, 1.0, 1.0)
+    doubled = {d: ([2 * x for x in t], r) for d, (t, r) in same.items()}
+    assert paired_tau_ratio(doubled, same, draws=50) == pytest.approx((2.0, 2.0, 2.0))
+    with pytest.raises(ValueError, match="different domains"):
+        paired_tau_ratio({"code": same["code"]}, same)
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_tau_ratio({"code": ([1], [1]), "prose": same["prose"]}, same)
+    # Two drafters whose true τ differ: 1 + 7·0.7 vs 1 + 7·0.6, ratio 5.9 / 5.2 in every domain.
+    rng = random.Random(1)
+    covered = 0
+    trials = 60
+    for _ in range(trials):
+        a = {d: _simulated_prompts(rng, 20, 0.7) for d in ("code", "prose")}
+        b = {d: _simulated_prompts(rng, 20, 0.6) for d in ("code", "prose")}
+        _, lo, hi = paired_tau_ratio(a, b, draws=300, seed=rng.randrange(10**6))
+        covered += lo <= 5.9 / 5.2 <= hi
+    assert covered >= 0.85 * trials

@@ -6,6 +6,7 @@ so machine noise hits all of them alike; speed is reported as a ratio to target-
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -15,7 +16,7 @@ import torch
 
 from dspark.api import BUNDLED_DRAFTERS, encode_prompt, load_drafter, load_target
 from dspark.decoding import decode
-from dspark.evaluation.metrics import acceptance_stats
+from dspark.evaluation.metrics import acceptance_stats, tau_standard_error
 from dspark.sampling import SamplingParams
 from dspark.zoo import bundled_drafter_path, eval_prompts_path
 
@@ -46,6 +47,14 @@ def divergence_margins(target, outs, reference) -> list[float]:
         logits = target.model(input_ids=ids).logits[0, -1].float()
         margins.append(abs(float(logits[a.token_ids[i]] - logits[b.token_ids[i]])))
     return margins
+
+
+def _finite_or_none(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def _se(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _peak_rss_mb() -> float:
@@ -97,9 +106,13 @@ def run_bench(
                 tokens = sum(len(r.token_ids) for r in outs[name])
                 stats = acceptance_stats([s for r in outs[name] for s in r.rounds], tokens)
                 tps = tokens / seconds[name]
+                prompt_tokens = [len(r.token_ids) for r in outs[name]]
+                prompt_rounds = [len(r.rounds) for r in outs[name]]
                 row = {
                     "temperature": temp, "domain": domain, "drafter": name, "prompts": len(prompts),
-                    "tokens": tokens, "rounds": stats.rounds, "tau": stats.tau, "histogram": stats.histogram,
+                    "tokens": tokens, "rounds": stats.rounds, "tau": stats.tau,
+                    "tau_se": _finite_or_none(tau_standard_error(prompt_tokens, prompt_rounds)),
+                    "prompt_tokens": prompt_tokens, "prompt_rounds": prompt_rounds, "histogram": stats.histogram,
                     "conditional_acceptance": stats.conditional, "cumulative_acceptance": stats.cumulative,
                     "tok_per_s": tps, "speedup": tps / base_tps, "peak_rss_mb": _peak_rss_mb(),
                 }
@@ -117,11 +130,13 @@ def run_bench(
             results.setdefault("macro", []).append({
                 "temperature": temp, "drafter": name,
                 "tau": sum(r["tau"] for r in rows) / len(rows),
+                "tau_se": (None if any(r["tau_se"] is None for r in rows)
+                           else math.sqrt(sum(r["tau_se"] ** 2 for r in rows)) / len(rows)),
                 "speedup": sum(r["speedup"] for r in rows) / len(rows),
             })
     print("\n== macro average over domains")
     for m in results["macro"]:
-        print(f"T={m['temperature']:<4} {m['drafter']:<14} tau={m['tau']:.2f} speedup={m['speedup']:.2f}x")
+        print(f"T={m['temperature']:<4} {m['drafter']:<14} tau={m['tau']:.2f}±{_se(m['tau_se'])} speedup={m['speedup']:.2f}x")
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
     if plot_path:
@@ -163,12 +178,12 @@ def plot_acceptance(results: dict, path: str) -> None:
 
 def _format_block(temp: float, domain: str, rows: list[dict]) -> str:
     lines = [f"\n== domain={domain} temperature={temp}",
-             f"{'drafter':<14}{'tau':>6}{'tok/s':>9}{'speedup':>9}{'same':>7}{'rss MB':>8}  conditional acceptance by position"
+             f"{'drafter':<14}{'tau':>6}{'± se':>6}{'tok/s':>9}{'speedup':>9}{'same':>7}{'rss MB':>8}  conditional acceptance by position"
              " | histogram (accepted drafts 0..γ)"]
     for r in rows:
         same = f"{r['identical_to_target_only']:.2f}" if "identical_to_target_only" in r else "-"
         gaps = r.get("divergence_margins") or []
         note = f"  first-divergence logit gaps: max {max(gaps):.3f}, median {sorted(gaps)[len(gaps) // 2]:.3f}" if gaps else ""
-        lines.append(f"{r['drafter']:<14}{r['tau']:>6.2f}{r['tok_per_s']:>9.1f}{r['speedup']:>8.2f}x{same:>7}"
+        lines.append(f"{r['drafter']:<14}{r['tau']:>6.2f}{_se(r['tau_se']):>6}{r['tok_per_s']:>9.1f}{r['speedup']:>8.2f}x{same:>7}"
                      f"{r['peak_rss_mb']:>8.0f}  {[round(a, 2) for a in r['conditional_acceptance']]} | {r['histogram']}{note}")
     return "\n".join(lines)
