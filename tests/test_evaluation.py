@@ -56,14 +56,14 @@ def test_report_scripts_read_bench_json_and_training_logs(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    bench = {"macro": [{"temperature": 0.0, "drafter": "dspark", "tau": 4.5, "speedup": 2.9}],
+    bench = {"macro": [{"temperature": 0.0, "drafter": "dspark", "tau": 4.5, "tau_se": 0.123, "speedup": 2.9}],
              "runs": [{"temperature": 1.0, "domain": "code", "drafter": "dspark", "tau": 2.5, "speedup": 1.6,
                        "identical_to_target_only": None, "conditional_acceptance": [0.641, 0.6]}]}
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "tables.py"), str(tmp_path / "bench.json")],
                          check=True, capture_output=True, text=True).stdout
-    assert "| 0.0 | dspark | 4.50 | 2.90x |" in out
-    assert "| code | 1 | dspark | 2.50 | 1.60x | n/a | [0.64, 0.6] |" in out
+    assert "| 0.0 | dspark | 4.50 | 0.12 | 2.90x |" in out
+    assert "| code | 1 | dspark | 2.50 | - | 1.60x | n/a | [0.64, 0.6] |" in out
     log = tmp_path / "train_log.jsonl"
     log.write_text("".join(json.dumps({"step": s, "accept_rate": [s / 10, s / 25]}) + "\n" for s in range(1, 5)))
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "train_curves.py"), str(log), "--window", "2",
