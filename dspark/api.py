@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -67,8 +68,47 @@ def _check_same_tokenizer(target: CausalLM, draft: CausalLM, where: str) -> None
             )
 
 
+CALIBRATION_FILE = "calibration.json"
+
+
 def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None = None,
-                 bias_candidates: int | None = None) -> Drafter:
+                 bias_candidates: int | None = None, calibration: str | Path | None = "auto") -> Drafter:
+    """Return a drafter for `target` (see `_load_drafter`) with its survival calibration attached.
+
+    calibration: "auto" picks up `calibration.json` beside the checkpoint (for n-gram: zoo/ngram/), ignoring
+    with a warning one fitted for another drafter or target; a path loads that file and fails on any
+    mismatch; None uses no calibration (the confidence head as is, or a constant prior).
+    """
+    drafter = _load_drafter(name_or_path, target, gamma, bias_candidates)
+    drafter.calibration = None
+    if calibration is None or isinstance(drafter, NoDrafter):
+        return drafter
+    from dspark.calibration.maps import Calibration
+    from dspark.identity import drafter_id, target_id
+
+    if calibration == "auto":
+        path = calibration_path(drafter)
+        if path is None or not path.exists():
+            return drafter
+        try:
+            drafter.calibration = Calibration.load(path, drafter_id(drafter), target_id(target))
+        except ValueError as err:
+            print(f"dspark: warning: {err}; using the uncalibrated survival estimate", file=sys.stderr)
+        return drafter
+    drafter.calibration = Calibration.load(calibration, drafter_id(drafter), target_id(target))
+    return drafter
+
+
+def calibration_path(drafter: Drafter) -> Path | None:
+    """Where a drafter's calibration file lives: beside its checkpoint, or zoo/ngram/ for n-gram."""
+    if isinstance(drafter, NgramDrafter):
+        return bundled_drafter_path("ngram") / CALIBRATION_FILE
+    path = getattr(drafter, "source_path", None)
+    return None if path is None else Path(path) / CALIBRATION_FILE
+
+
+def _load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None = None,
+                  bias_candidates: int | None = None) -> Drafter:
     """Return a drafter for `target`: 'none', 'ngram', a bundled drafter name or a checkpoint folder.
 
     Checkpoint folders may hold an HF causal LM sharing the target's tokenizer (a draft model) or a
@@ -96,15 +136,21 @@ def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None =
         from dspark.drafters.block import BlockDrafter
 
         model = load_block_drafter_model(path, target)
-        return BlockDrafter(model, target, name=path.name, max_drafts=gamma, bias_candidates=bias_candidates)
+        drafter = BlockDrafter(model, target, name=path.name, max_drafts=gamma, bias_candidates=bias_candidates)
+        drafter.source_path = path
+        return drafter
     if (raw.get("architectures") or [""])[0] in ("Qwen3Eagle3Model", "Eagle3DraftModel"):
         from dspark.checkpoints import load_eagle3_model
         from dspark.drafters.eagle3 import Eagle3Drafter
 
-        return Eagle3Drafter(load_eagle3_model(path, target), target, gamma=gamma)
+        drafter = Eagle3Drafter(load_eagle3_model(path, target), target, gamma=gamma)
+        drafter.name, drafter.source_path = path.name, path
+        return drafter
     draft = load_causal_lm(path, target.dtype, str(target.device))
     _check_same_tokenizer(target, draft, str(path))
-    return DraftModelDrafter(draft, gamma=gamma or 4)
+    drafter = DraftModelDrafter(draft, gamma=gamma or 4)
+    drafter.name, drafter.source_path = path.name, path
+    return drafter
 
 
 def encode_prompt(target: CausalLM, prompt: str, chat: bool = True) -> list[int]:

@@ -11,18 +11,38 @@ from typing import Callable, Sequence
 
 import torch
 
-from dspark.drafters.base import Drafter, RoundOutcome
+from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.sampling import BatchSampling, SamplingParams, make_generator
+from dspark.scheduling import CostModel, Scheduler, step_tokens
 from dspark.target import CausalLM
 from dspark.verify import verify
 
 
 @dataclass
 class RoundStats:
-    """One round of one request: how many drafts were verified and how many were accepted."""
+    """One round of one request: how many drafts were verified and how many were accepted.
+
+    available: drafts the block offered (after the token budget) before the scheduler cut it to
+    draft_len. signals: the block's survival signals [available][3] when the loop records them.
+    """
 
     draft_len: int
     accepted: int
+    available: int | None = None
+    signals: list[list[float]] | None = None
+
+
+@dataclass
+class StepInfo:
+    """One step of the decoding loop, as measured: what the cost model is fitted and corrected on."""
+
+    batch: int
+    tokens: int
+    drafted: bool
+    seconds: float
+    lengths: list[int]
+    expected_throughput: float | None = None
+    capacity: int | None = None
 
 
 @dataclass
@@ -43,6 +63,24 @@ class GenerationResult:
 
 
 TokenCallback = Callable[[int, list[int]], None]
+StepCallback = Callable[[StepInfo], None]
+
+
+def drafter_gamma(drafter: Drafter) -> int:
+    """Drafts per round the drafter proposes at most (0 for target-only decoding)."""
+    return int(getattr(drafter, "max_drafts", None) or getattr(drafter, "gamma", 0) or 0)
+
+
+def survival_for(drafter: Drafter, block: DraftBlock, sampling: BatchSampling, temperatures: list[float]):
+    """Calibrated survival a [R, γ] of a block: the drafter's calibration (or the default map) on its signals."""
+    from dspark.calibration.maps import default_map
+    from dspark.calibration.signals import block_signals
+
+    signals = block_signals(block, sampling.greedy)
+    calibration = getattr(drafter, "calibration", None)
+    if calibration is None:
+        return default_map(block.confidences is not None, signals.shape[1]).survival(signals, block.lengths.cpu())
+    return calibration.survival(signals, block.lengths.cpu(), temperatures)
 
 
 def _check_inputs(target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -73,12 +111,36 @@ def decode(
     max_new_tokens: int = 128,
     on_tokens: TokenCallback | None = None,
     eos_token_ids: frozenset[int] | None = None,
+    scheduler: str | Scheduler = "fixed",
+    cost_model: CostModel | None = None,
+    draft_limits: Sequence[int] | None = None,
+    token_budget: int | None = None,
+    record_signals: bool = False,
+    on_step: StepCallback | None = None,
+    online_cost: bool = True,
 ) -> list[GenerationResult]:
     """Generate continuations of token-id prompts with speculative decoding; return one result each.
 
     on_tokens(i, tokens) is called whenever request i commits tokens (for streaming).
+    scheduler: how many drafts each request verifies per step (`dspark.scheduling`): "fixed" verifies the
+    whole block (the default), "fixed:K", "none", "threshold:θ", "batch-table", "dspark", "dspark-async";
+    the last two need `cost_model`. draft_limits[i] caps request i's verified drafts (0: no speculation).
+    token_budget caps the query tokens of a step. record_signals keeps each round's survival signals in
+    its RoundStats (calibration and scheduler traces); on_step(StepInfo) is called after every step, whose
+    measured time also corrects `cost_model` online unless online_cost is False.
     """
     _check_inputs(target, prompts, max_new_tokens)
+    gamma = drafter_gamma(drafter)
+    sched = scheduler if isinstance(scheduler, Scheduler) else Scheduler(scheduler, gamma)
+    if sched.needs_cost and cost_model is None:
+        raise ValueError(f"scheduler {sched.spec!r} needs a cost model: run `dspark profile` or pass cost_model")
+    if draft_limits is not None:
+        draft_limits = [int(x) for x in draft_limits]
+        if len(draft_limits) != len(prompts) or any(x < 0 for x in draft_limits):
+            raise ValueError(f"draft_limits needs one non-negative count per prompt, got {draft_limits}")
+    if token_budget is not None and token_budget < 1:
+        raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget}")
+    layout = cost_model.layout if cost_model is not None else "padded"
     params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling settings for {len(prompts)} prompts")
@@ -99,12 +161,32 @@ def decode(
     drafter.start(seqs, pre.features)
 
     while active:
+        step_start = time.perf_counter()
         batch_params = BatchSampling.from_params([params[i] for i in active], device)
         batch_gens = [gens[i] for i in active]
         rows_seqs = [seqs[i] for i in active]
-        block = drafter.propose(rows_seqs, batch_params, batch_gens)
         budget = [max_new_tokens - len(results[i].token_ids) - 1 for i in active]
+        if draft_limits is not None:
+            budget = [min(b, draft_limits[i]) for b, i in zip(budget, active)]
+        drafted = gamma > 0 and max(budget) > 0 and sched.wants_drafts(len(active))
+        block = drafter.propose(rows_seqs, batch_params, batch_gens) if drafted else DraftBlock.empty(len(active), device)
         block = block.truncate(budget)
+        available = block.lengths.tolist()
+        plan_theta = plan_capacity = None
+        signals = None
+        if record_signals and drafted:
+            from dspark.calibration.signals import block_signals
+
+            signals = block_signals(block, batch_params.greedy)
+        if drafted and sched.kind not in ("fixed", "none"):
+            survival = None
+            if sched.needs_survival:
+                survival = survival_for(drafter, block, batch_params, [params[i].temperature for i in active])
+            plan = sched.plan(survival, available, cost_model, token_budget, active)
+            block = block.truncate(plan.lengths)
+            plan_theta, plan_capacity = plan.expected_throughput, plan.capacity
+        elif drafted:
+            block = block.truncate(sched.plan(None, available, cost_model, token_budget).lengths)
         lens = block.lengths.tolist()
         drafts = block.tokens.tolist()
         inputs = [[s[-1]] + drafts[r][: lens[r]] for r, s in enumerate(rows_seqs)]
@@ -120,6 +202,12 @@ def decode(
         # Keep the anchor and the accepted drafts in the target cache; the new token is the next anchor.
         target.truncate(base_len + 1 + torch.tensor(res.accepted, device=device))
         drafter.observe(RoundOutcome(committed=res.tokens, accepted=res.accepted, features=out.features))
+        seconds = time.perf_counter() - step_start
+        tokens_in_step = step_tokens(lens, layout)
+        if cost_model is not None and online_cost:
+            cost_model.observe(len(active), tokens_in_step, seconds, drafted)
+        if on_step is not None:
+            on_step(StepInfo(len(active), tokens_in_step, drafted, seconds, lens, plan_theta, plan_capacity))
 
         still = []
         for r, i in enumerate(active):
@@ -127,7 +215,8 @@ def decode(
             new = res.tokens[r][:room]
             results[i].token_ids.extend(new)
             seqs[i].extend(new)
-            results[i].rounds.append(RoundStats(draft_len=lens[r], accepted=res.accepted[r]))
+            sig = signals[r, : available[r]].tolist() if signals is not None else None
+            results[i].rounds.append(RoundStats(lens[r], res.accepted[r], available[r], sig))
             if on_tokens is not None and new:
                 on_tokens(i, new)
             if any(t in eos for t in new):

@@ -144,8 +144,9 @@ class Eagle3Drafter(Drafter):
         """Queue (feature, next committed token) for the anchor and every accepted draft."""
         for r, (acc, toks) in enumerate(zip(outcome.accepted, outcome.committed)):
             n = len(toks)  # acc drafts + bonus (or acc drafts ending in EOS)
-            self.pending_feats[r] = outcome.features[r, :n]
-            self.pending_toks[r] = list(toks)
+            # rounds that skipped drafting leave earlier pairs pending: queue behind them
+            self.pending_feats[r] = torch.cat([self.pending_feats[r], outcome.features[r, :n]])
+            self.pending_toks[r] = self.pending_toks[r] + list(toks)
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only the given rows."""

@@ -1,0 +1,1 @@
+"""Survival estimates for draft blocks: signals, survival maps, calibration fitting and metrics."""

@@ -1,0 +1,429 @@
+"""Survival maps: from a block's signals [n, γ, 3] to conditional survival c_k and cumulative survival a_k.
+
+a_k = c_1⋯c_k estimates P(drafts 1..k all accepted), what the scheduler ranks drafts by. A map fitted on γ
+positions serves any width: positions past the fitted ones reuse the last fitted position's parameters.
+`Calibration` holds one map per sampling temperature for one drafter and target and reads and writes the
+JSON file of a fitted calibration.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from dspark.calibration.signals import CONF_LOGIT, ENTROPY, MAX_Q
+
+FORMAT = "dspark-calibration"
+VERSION = 1
+_EPS = 1e-6  # conditional survival is kept in [_EPS, 1 − _EPS]
+_MIN_Q = 1e-12
+
+
+def json_safe(obj: Any) -> Any:
+    """obj with NaN/inf floats replaced by None, tuples by lists and tensors/numpy values by Python ones."""
+    if hasattr(obj, "tolist") and not isinstance(obj, (str, bytes, list, tuple, Mapping)):
+        obj = obj.tolist()
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def _per_position(params: torch.Tensor, gamma: int, like: torch.Tensor) -> torch.Tensor:
+    """The first γ rows of params, the last row repeated past the fitted length, cast like `like`."""
+    if gamma > params.shape[0]:
+        params = torch.cat([params, params[-1:].expand(gamma - params.shape[0], *params.shape[1:])])
+    return params[:gamma].to(device=like.device, dtype=like.dtype)
+
+
+class _ParamCache:
+    """Per-position parameters cast for a (γ, dtype, device), computed once per combination."""
+
+    def __init__(self, params: torch.Tensor) -> None:
+        self.params = params
+        self._cache: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, gamma: int, like: torch.Tensor) -> torch.Tensor:
+        key = (gamma, like.dtype, like.device)
+        out = self._cache.get(key)
+        if out is None:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            out = self._cache[key] = _per_position(self.params, gamma, like)
+        return out
+
+
+def _float_dtype(signals: torch.Tensor) -> torch.Tensor:
+    return signals if signals.is_floating_point() else signals.float()
+
+
+def _check_signals(signals: torch.Tensor) -> None:
+    if signals.dim() != 3:
+        raise ValueError(f"signals must be [n, γ, 3], got {list(signals.shape)}")
+
+
+def _finite_list(values: Sequence[float], name: str) -> list[float]:
+    out = [float(v) for v in values]
+    if not out:
+        raise ValueError(f"{name} must have at least one position")
+    if not all(math.isfinite(v) for v in out):
+        raise ValueError(f"{name} must be finite, got {out}")
+    return out
+
+
+def _beyond(available: torch.Tensor, gamma: int, device: torch.device) -> torch.Tensor:
+    """[n, γ] bool: positions k > available[r] (1-based k)."""
+    k = torch.arange(1, gamma + 1, device=device).view(1, -1)
+    return k > available.to(device).view(-1, 1)
+
+
+def fill_unavailable(signals: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+    """signals with NaN confidence logits at positions k > available set to 0 (a copy only when needed).
+
+    Those positions are never scored or admitted, so padding there must not make a head map refuse the block.
+    """
+    logit = signals[..., CONF_LOGIT]
+    nan = torch.isnan(logit) & _beyond(available, signals.shape[1], signals.device)
+    if not bool(nan.any()):
+        return signals
+    out = signals.clone()
+    out[..., CONF_LOGIT] = logit.masked_fill(nan, 0.0)
+    return out
+
+
+class SurvivalMap(ABC):
+    """Maps signals [n, γ, 3] to conditional survival c [n, γ] in (0, 1) and cumulative survival a = cumprod(c)."""
+
+    kind: ClassVar[str]
+
+    @abstractmethod
+    def conditional(self, signals: torch.Tensor) -> torch.Tensor:
+        """Conditional survival c_k = P(draft k accepted | drafts 1..k−1 accepted), [n, γ]."""
+
+    @abstractmethod
+    def params(self) -> dict[str, Any]:
+        """The map's parameters as JSON-ready lists (the map's file entry without "kind")."""
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Number of fitted positions."""
+
+    def survival(self, signals: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+        """Cumulative survival a_k = c_1⋯c_k [n, γ], zero for positions k > available[r]."""
+        c = self.conditional(signals)
+        return torch.cumprod(c, dim=1).masked_fill_(_beyond(available, c.shape[1], c.device), 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"kind": ..., **params}."""
+        return {"kind": self.kind, **self.params()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in self.params().items())})"
+
+
+class HeadTemperatureMap(SurvivalMap):
+    """c_k = sigmoid(logit_k / T_k) of the confidence head (Sequential Temperature Scaling)."""
+
+    kind = "head-temperature"
+
+    def __init__(self, temperatures: Sequence[float]) -> None:
+        temps = _finite_list(temperatures, "temperatures")
+        if min(temps) <= 0:
+            raise ValueError(f"temperatures must be positive, got {temps}")
+        self.temperatures = temps
+        self._t = _ParamCache(torch.tensor(temps, dtype=torch.float64))
+
+    @property
+    def length(self) -> int:
+        return len(self.temperatures)
+
+    def params(self) -> dict[str, Any]:
+        return {"temperatures": list(self.temperatures)}
+
+    def conditional(self, signals: torch.Tensor) -> torch.Tensor:
+        _check_signals(signals)
+        logit = _float_dtype(signals)[..., CONF_LOGIT]
+        if bool(torch.isnan(logit).any()):
+            raise ValueError("HeadTemperatureMap needs confidence-head logits (signal channel 0), got NaN: this "
+                             "drafter has no confidence head; use a LogisticMap or ConstantMap")
+        t = self._t.get(logit.shape[1], logit)
+        return torch.sigmoid(logit / t).clamp_(_EPS, 1 - _EPS)
+
+    def survival(self, signals: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+        """As `SurvivalMap.survival`; NaN logits only past `available` (padding) are allowed."""
+        _check_signals(signals)
+        return super().survival(fill_unavailable(signals, available), available)
+
+
+class LogisticMap(SurvivalMap):
+    """c_k = sigmoid(w_k0 + w_k1·log max_q + w_k2·entropy) where max_q is finite, else sigmoid(prior_k).
+
+    The map for drafters without a confidence head: sampled rows read their drafting distribution's shape,
+    greedy rows and drafters without probabilities get a per-position prior.
+    """
+
+    kind = "logistic"
+
+    def __init__(self, prior: Sequence[float], weights: Sequence[Sequence[float]]) -> None:
+        prior_list = _finite_list(prior, "prior")
+        rows = [_finite_list(w, f"weights[{k}]") for k, w in enumerate(weights)]
+        if len(rows) != len(prior_list):
+            raise ValueError(f"prior has {len(prior_list)} positions but weights has {len(rows)}")
+        if any(len(w) != 3 for w in rows):
+            raise ValueError(f"each weights row must be [w0, w_log_max_q, w_entropy], got {rows}")
+        self.prior = prior_list
+        self.weights = rows
+        self._prior = _ParamCache(torch.tensor(prior_list, dtype=torch.float64))
+        self._w = _ParamCache(torch.tensor(rows, dtype=torch.float64))
+
+    @property
+    def length(self) -> int:
+        return len(self.prior)
+
+    def params(self) -> dict[str, Any]:
+        return {"prior": list(self.prior), "weights": [list(w) for w in self.weights]}
+
+    def conditional(self, signals: torch.Tensor) -> torch.Tensor:
+        _check_signals(signals)
+        s = _float_dtype(signals)
+        max_q, entropy = s[..., MAX_Q], s[..., ENTROPY]
+        gamma = s.shape[1]
+        w = self._w.get(gamma, max_q)
+        prior = self._prior.get(gamma, max_q)
+        z = w[:, 0] + w[:, 1] * torch.log(max_q.clamp_min(_MIN_Q)) + w[:, 2] * torch.nan_to_num(entropy, nan=0.0)
+        z = torch.where(torch.isfinite(max_q), z, prior)
+        return torch.sigmoid(z).clamp_(_EPS, 1 - _EPS)
+
+
+class ConstantMap(SurvivalMap):
+    """A fixed conditional survival per position (the uncalibrated default of drafters without a head)."""
+
+    kind = "constant"
+
+    def __init__(self, values: Sequence[float]) -> None:
+        vals = _finite_list(values, "values")
+        if not all(0 < v < 1 for v in vals):
+            raise ValueError(f"constant survival values must lie in (0, 1), got {vals}")
+        self.values = vals
+        self._v = _ParamCache(torch.tensor(vals, dtype=torch.float64))
+
+    @property
+    def length(self) -> int:
+        return len(self.values)
+
+    def params(self) -> dict[str, Any]:
+        return {"values": list(self.values)}
+
+    def conditional(self, signals: torch.Tensor) -> torch.Tensor:
+        _check_signals(signals)
+        s = _float_dtype(signals)
+        v = self._v.get(s.shape[1], s)
+        return v.view(1, -1).expand(s.shape[0], -1).clamp(_EPS, 1 - _EPS)
+
+
+MAP_KINDS: dict[str, type[SurvivalMap]] = {m.kind: m for m in (HeadTemperatureMap, LogisticMap, ConstantMap)}
+
+
+def default_map(has_head: bool, gamma: int) -> SurvivalMap:
+    """The uncalibrated map: the raw confidence head (T = 1) if there is one, else c_k = 0.7."""
+    return HeadTemperatureMap([1.0] * gamma) if has_head else ConstantMap([0.7] * gamma)
+
+
+def _number_list(value: Any, where: str, length: int | None = None) -> list[float]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"field '{where}' must be a non-empty list of numbers, got {value!r:.80}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
+        raise ValueError(f"field '{where}' must hold finite numbers, got {value!r:.80}")
+    if length is not None and len(value) != length:
+        raise ValueError(f"field '{where}' must have {length} entries, got {len(value)}")
+    return [float(v) for v in value]
+
+
+def map_from_dict(data: Any, where: str = "map") -> SurvivalMap:
+    """Rebuild a map from its `to_dict()`; ValueError names the offending field (prefixed by `where`)."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"field '{where}' must be an object, got {type(data).__name__}")  # noqa: TRY004
+    kind = data.get("kind")
+    if kind not in MAP_KINDS:
+        raise ValueError(f"field '{where}.kind' must be one of {sorted(MAP_KINDS)}, got {kind!r}")
+    for name in {"head-temperature": ["temperatures"], "logistic": ["prior", "weights"],
+                 "constant": ["values"]}[kind]:
+        if name not in data:
+            raise ValueError(f"field '{where}.{name}' is missing (kind {kind!r})")
+    try:
+        if kind == "head-temperature":
+            return HeadTemperatureMap(_number_list(data["temperatures"], f"{where}.temperatures"))
+        if kind == "constant":
+            return ConstantMap(_number_list(data["values"], f"{where}.values"))
+        prior = _number_list(data["prior"], f"{where}.prior")
+        weights = data["weights"]
+        if not isinstance(weights, list) or len(weights) != len(prior):
+            raise ValueError(f"field '{where}.weights' must be a list of {len(prior)} rows (one per prior entry)")
+        return LogisticMap(prior, [_number_list(w, f"{where}.weights[{k}]", 3) for k, w in enumerate(weights)])
+    except ValueError as err:
+        if str(err).startswith("field "):
+            raise
+        raise ValueError(f"field '{where}': {err}") from None
+
+
+def _temperature_key(t: float) -> str:
+    return repr(float(t))
+
+
+@dataclass
+class Calibration:
+    """Survival maps per sampling temperature (0.0 = greedy) of one drafter on one target.
+
+    metrics: per temperature, what the fit scored (e.g. `calibration_report` before/after), stored alongside.
+    """
+
+    maps: dict[float, SurvivalMap]
+    drafter: str = ""
+    target: str = ""
+    metrics: dict[float, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.maps:
+            raise ValueError("a calibration needs at least one map")
+        maps = {float(t): m for t, m in self.maps.items()}
+        bad = [t for t in maps if not (math.isfinite(t) and t >= 0)]
+        if bad:
+            raise ValueError(f"map temperatures must be finite and ≥ 0, got {bad}")
+        self.maps = dict(sorted(maps.items()))
+        self.metrics = {float(t): m for t, m in self.metrics.items()}
+
+    def map_for(self, temperature: float) -> SurvivalMap:
+        """Greedy (T ≤ 0) → the 0.0 map; T > 0 → the nearest positive temperature's map; else the nearest map."""
+        t = float(temperature)
+        keys = list(self.maps)
+        if t <= 0:
+            return self.maps[0.0] if 0.0 in self.maps else self.maps[keys[0]]
+        positive = [k for k in keys if k > 0] or keys
+        return self.maps[min(positive, key=lambda k: (abs(k - t), k))]
+
+    def survival(self, signals: torch.Tensor, available: torch.Tensor,
+                 temperatures: Sequence[float] | torch.Tensor) -> torch.Tensor:
+        """Cumulative survival [R, γ] with each row's map chosen by its sampling temperature."""
+        temps = temperatures.tolist() if isinstance(temperatures, torch.Tensor) else list(temperatures)
+        if len(temps) != signals.shape[0]:
+            raise ValueError(f"{len(temps)} temperatures for {signals.shape[0]} rows")
+        chosen: dict[float, SurvivalMap] = {}
+        groups: dict[int, tuple[SurvivalMap, list[int]]] = {}
+        for r, t in enumerate(temps):
+            m = chosen.get(t)
+            if m is None:
+                m = chosen[t] = self.map_for(t)
+            groups.setdefault(id(m), (m, []))[1].append(r)
+        if len(groups) <= 1:
+            m = next(iter(groups.values()))[0] if groups else self.map_for(0.0)
+            return m.survival(signals, available)
+        out = torch.empty(signals.shape[:2], dtype=_float_dtype(signals).dtype, device=signals.device)
+        for m, rows in groups.values():
+            idx = torch.tensor(rows, dtype=torch.long, device=signals.device)
+            out[idx] = m.survival(signals[idx], available[idx.to(available.device)]).to(out.dtype)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON layout of a calibration file."""
+        maps = {_temperature_key(t): {**m.to_dict(), "metrics": json_safe(self.metrics.get(t, {}))}
+                for t, m in self.maps.items()}
+        return {"format": FORMAT, "version": VERSION, "drafter": self.drafter, "target": self.target, "maps": maps}
+
+    def to_json(self, path: str | Path) -> Path:
+        """Write the calibration atomically (temporary file in the same folder, then os.replace)."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out)
+        except BaseException:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> Calibration:
+        """Validate and rebuild a calibration; ValueError names `source` and the offending field."""
+        def fail(msg: str) -> ValueError:
+            return ValueError(f"calibration file {source}: {msg}")
+
+        if not isinstance(data, Mapping):
+            raise fail(f"top level must be a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise fail(f"field 'format' must be {FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != VERSION:
+            raise fail(f"field 'version' must be {VERSION}, got {data.get('version')!r}")
+        for name in ("drafter", "target"):
+            if not isinstance(data.get(name), str):
+                raise fail(f"field '{name}' must be a string, got {data.get(name)!r}")
+        raw_maps = data.get("maps")
+        if not isinstance(raw_maps, Mapping) or not raw_maps:
+            raise fail(f"field 'maps' must be a non-empty object keyed by temperature, got {raw_maps!r:.80}")
+        maps: dict[float, SurvivalMap] = {}
+        metrics: dict[float, dict[str, Any]] = {}
+        for key, entry in raw_maps.items():
+            try:
+                t = float(key)
+            except ValueError:
+                raise fail(f"field 'maps' has key {key!r}, which is not a temperature") from None
+            if not (math.isfinite(t) and t >= 0):
+                raise fail(f"field 'maps' has key {key!r}; temperatures must be finite and ≥ 0")
+            if t in maps:
+                raise fail(f"field 'maps' has temperature {t} twice")
+            try:
+                maps[t] = map_from_dict(entry, f"maps.{key}")
+            except ValueError as err:
+                raise fail(str(err)) from None
+            entry_metrics = entry.get("metrics", {})
+            if not isinstance(entry_metrics, Mapping):
+                raise fail(f"field 'maps.{key}.metrics' must be an object, got {type(entry_metrics).__name__}")
+            metrics[t] = dict(entry_metrics)
+        return cls(maps=maps, drafter=data["drafter"], target=data["target"], metrics=metrics)
+
+    @classmethod
+    def load(cls, path: str | Path, expect_drafter: str | None = None,
+             expect_target: str | None = None) -> Calibration:
+        """Read a calibration file, checking that it belongs to the given drafter and target (when given).
+
+        A missing, unreadable, truncated or malformed file, or one for another drafter or target, raises
+        ValueError naming the file and the field (and both values on a mismatch).
+        """
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"calibration file {p} does not exist") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"calibration file {p} is not UTF-8 text (corrupt?): {err}") from None
+        except OSError as err:
+            raise ValueError(f"calibration file {p} cannot be read: {err}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"calibration file {p} is not valid JSON (truncated or malformed): {err}") from None
+        cal = cls.from_dict(data, source=str(p))
+        for name, expected in (("drafter", expect_drafter), ("target", expect_target)):
+            found = getattr(cal, name)
+            if expected is not None and found != expected:
+                raise ValueError(f"calibration file {p} is for {name} {found!r}, but the {name} in use is "
+                                 f"{expected!r} (field '{name}')")
+        return cal

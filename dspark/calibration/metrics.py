@@ -1,0 +1,237 @@
+"""Calibration metrics of survival estimates: ECE, Brier, log loss, AUROC, reports and reliability diagrams.
+
+Every metric takes 1-D predictions in [0, 1] and binary labels (tensors, numpy arrays or lists) and returns a
+float (NaN when it is undefined, e.g. no rows). Reports score a survival map on recorded rounds both as the
+conditional survival c_k (against conditional labels) and as the cumulative survival a_k = c_1⋯c_k (against
+cumulative labels); the headline number is the cumulative ECE pooled over positions.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.calibration.maps import SurvivalMap, fill_unavailable, json_safe
+from dspark.calibration.records import RoundRecords
+
+ArrayLike = Any  # torch.Tensor | numpy.ndarray | Sequence[float]
+DEFAULT_BINS = 20
+_LOG_EPS = 1e-6
+
+
+def _vec(x: ArrayLike) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+    return torch.as_tensor(x, dtype=torch.float64).reshape(-1)  # lists parse straight to float64
+
+
+def _pair(pred: ArrayLike, label: ArrayLike) -> tuple[torch.Tensor, torch.Tensor]:
+    p, y = _vec(pred), _vec(label)
+    if p.shape != y.shape:
+        raise ValueError(f"predictions and labels differ in length: {p.numel()} vs {y.numel()}")
+    return p, y
+
+
+def _bin_index(pred: torch.Tensor, bins: int) -> torch.Tensor:
+    """Equal-width bin of each prediction: bin i = [i/bins, (i+1)/bins), the last bin closed at 1."""
+    return (pred * bins).long().clamp_(0, bins - 1)  # truncation is floor here: negatives clamp to bin 0
+
+
+def ece_batch(preds: torch.Tensor, label: torch.Tensor, bins: int = DEFAULT_BINS) -> torch.Tensor:
+    """ECE of G candidate prediction vectors [G, m] against one label vector [m], as float64 [G].
+
+    Uses Σ_bins |Σ_{i∈bin} (p_i − y_i)| / m, which equals the count-weighted mean gap per bin.
+    """
+    preds = preds.to(torch.float64)
+    label = label.to(torch.float64)
+    g, m = preds.shape
+    if m == 0:
+        return torch.full((g,), float("nan"), dtype=torch.float64)
+    idx = _bin_index(preds, bins).add_(torch.arange(g).view(-1, 1) * bins)
+    sums = torch.zeros(g * bins, dtype=torch.float64).index_add_(0, idx.reshape(-1), (preds - label).reshape(-1))
+    return sums.view(g, bins).abs().sum(1) / m
+
+
+def ece(pred: ArrayLike, label: ArrayLike, bins: int = DEFAULT_BINS) -> float:
+    """Expected calibration error over `bins` equal-width bins on [0, 1], weighted by bin count."""
+    p, y = _pair(pred, label)
+    return float(ece_batch(p.view(1, -1), y, bins)[0])
+
+
+def reliability_bins(pred: ArrayLike, label: ArrayLike,
+                     bins: int = DEFAULT_BINS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per bin (mean prediction, mean label, count); the means are NaN in empty bins."""
+    p, y = _pair(pred, label)
+    idx = _bin_index(p, bins)
+    count = torch.bincount(idx, minlength=bins).to(torch.float64)
+    sum_p = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, p)
+    sum_y = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, y)
+    return sum_p / count, sum_y / count, count
+
+
+def brier(pred: ArrayLike, label: ArrayLike) -> float:
+    """Mean squared error of the predicted probabilities."""
+    p, y = _pair(pred, label)
+    return float(((p - y) ** 2).mean()) if p.numel() else math.nan
+
+
+def log_loss(pred: ArrayLike, label: ArrayLike) -> float:
+    """Mean binary cross-entropy in nats, predictions clamped to [1e-6, 1 − 1e-6]."""
+    p, y = _pair(pred, label)
+    if not p.numel():
+        return math.nan
+    p = p.clamp(_LOG_EPS, 1 - _LOG_EPS)
+    return float(-(y * torch.log(p) + (1 - y) * torch.log1p(-p)).mean())
+
+
+def _average_ranks(x: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of x, tied values sharing their mean rank."""
+    order = torch.argsort(x, stable=True)
+    _, inverse, counts = torch.unique_consecutive(x[order], return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).to(torch.float64)
+    mean_rank = ends - (counts.to(torch.float64) - 1) / 2
+    ranks = torch.empty_like(x, dtype=torch.float64)
+    ranks[order] = mean_rank[inverse]
+    return ranks
+
+
+def auroc(pred: ArrayLike, label: ArrayLike) -> float:
+    """Area under the ROC curve (Mann–Whitney U, ties count ½); NaN when a class is absent."""
+    p, y = _pair(pred, label)
+    pos = y > 0.5
+    n_pos = int(pos.sum())
+    n_neg = p.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    rank_sum = float(_average_ranks(p)[pos].sum())
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def _scores(pred: torch.Tensor, label: torch.Tensor) -> dict[str, Any]:
+    return {"count": int(pred.numel()), "ece": ece(pred, label), "brier": brier(pred, label),
+            "auroc": auroc(pred, label), "log_loss": log_loss(pred, label)}
+
+
+def _kind_scores(pred: torch.Tensor, label: torch.Tensor, valid: torch.Tensor) -> dict[str, Any]:
+    per_position = [{"position": k + 1, **_scores(pred[valid[:, k], k], label[valid[:, k], k])}
+                    for k in range(pred.shape[1])]
+    return {"pooled": _scores(pred[valid], label[valid]), "per_position": per_position}
+
+
+def _domain_names(records: RoundRecords) -> list[str]:
+    names = records.domains()
+    if names in ([], [""]):
+        return ["all"]
+    return ["all"] + [d if d else "unlabelled" for d in names if d != "all"]
+
+
+def calibration_report(records: RoundRecords, survival_map: SurvivalMap) -> dict[str, Any]:
+    """Score a survival map on recorded rounds, per domain and over all of them ("all").
+
+    Layout: {"gamma", "rounds", "headline_ece": {domain: pooled cumulative ECE},
+    "domains": {domain: {"rounds", "conditional": S, "cumulative": S}}} where S is
+    {"pooled": scores, "per_position": [{"position": k, **scores}, ...]} and scores are
+    {"count", "ece", "brier", "auroc", "log_loss"}. NaN becomes None, so the dict is JSON-serialisable.
+    """
+    signals = fill_unavailable(records.signals, records.available)
+    with torch.no_grad():
+        cond = survival_map.conditional(signals).to(torch.float64)
+        cum = survival_map.survival(signals, records.available).to(torch.float64)
+    cond_y, cond_valid = records.conditional_labels()
+    cum_y, cum_valid = records.cumulative_labels()
+    labels = ["unlabelled" if d == "" else d for d in records.domain]
+    report: dict[str, Any] = {"gamma": records.gamma, "rounds": len(records), "headline_ece": {}, "domains": {}}
+    for name in _domain_names(records):
+        rows = torch.ones(len(records), dtype=torch.bool) if name == "all" else \
+            torch.tensor([d == name for d in labels], dtype=torch.bool)
+        entry = {"rounds": int(rows.sum()),
+                 "conditional": _kind_scores(cond, cond_y, cond_valid & rows.view(-1, 1)),
+                 "cumulative": _kind_scores(cum, cum_y, cum_valid & rows.view(-1, 1))}
+        report["domains"][name] = entry
+        report["headline_ece"][name] = entry["cumulative"]["pooled"]["ece"]
+    return json_safe(report)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def format_report_table(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """Markdown tables, one per domain, comparing two `calibration_report` results (before/after fitting)."""
+    names = list(dict.fromkeys([*before.get("domains", {}), *after.get("domains", {})]))
+    gamma = max(int(before.get("gamma") or 0), int(after.get("gamma") or 0))
+
+    def get(report: dict[str, Any], domain: str, kind: str, metric: str, position: int | None = None) -> str:
+        entry = report.get("domains", {}).get(domain)
+        if entry is None:
+            return "–"
+        block = entry[kind]
+        if position is None:
+            return _fmt(block["pooled"][metric])
+        rows = block["per_position"]
+        return _fmt(rows[position - 1][metric]) if position <= len(rows) else "–"
+
+    lines: list[str] = []
+    for name in names:
+        rounds = (before.get("domains", {}).get(name) or after["domains"][name])["rounds"]
+        lines += [f"### {name} ({rounds} rounds)", "", "| metric | before | after |", "|---|---:|---:|"]
+        rows = [("cumulative ECE (pooled)", "cumulative", "ece", None),
+                ("cumulative Brier (pooled)", "cumulative", "brier", None),
+                ("cumulative AUROC (pooled)", "cumulative", "auroc", None),
+                ("cumulative log loss (pooled)", "cumulative", "log_loss", None),
+                ("conditional ECE (pooled)", "conditional", "ece", None),
+                ("cumulative rows (pooled)", "cumulative", "count", None)]
+        rows += [(f"cumulative ECE k={k}", "cumulative", "ece", k) for k in range(1, gamma + 1)]
+        for label, kind, metric, position in rows:
+            lines.append(f"| {label} | {get(before, name, kind, metric, position)} | "
+                         f"{get(after, name, kind, metric, position)} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def reliability_diagram(records: RoundRecords, maps: Mapping[str, SurvivalMap], path: str | Path,
+                        title: str = "", bins: int = DEFAULT_BINS) -> Path:
+    """Write a PNG reliability diagram of the pooled cumulative survival a_k, one curve per map.
+
+    Top: mean predicted vs observed survival per bin (empty bins skipped) and the diagonal; bottom: rows per bin.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    labels, valid = records.cumulative_labels()
+    y = labels[valid]
+    fig = Figure(figsize=(6.0, 7.0))
+    FigureCanvasAgg(fig)
+    ax, ax_count = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1, label="perfect calibration")
+    width = 1.0 / bins
+    centers = (torch.arange(bins, dtype=torch.float64) + 0.5) * width
+    for i, (name, survival_map) in enumerate(maps.items()):
+        with torch.no_grad():
+            pred = survival_map.survival(records.signals, records.available)[valid]
+        mean_p, mean_y, count = reliability_bins(pred, y, bins)
+        seen = count > 0
+        ax.plot(mean_p[seen].numpy(), mean_y[seen].numpy(), marker="o", markersize=3,
+                label=f"{name} (ECE {ece(pred, y, bins):.4f})")
+        bar_w = width / max(len(maps), 1)
+        offset = (i - (len(maps) - 1) / 2) * bar_w
+        ax_count.bar((centers + offset).numpy(), count.numpy(), width=bar_w, label=name)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("observed survival")
+    ax.set_title(title or "cumulative survival a_k, pooled over positions")
+    ax.legend(loc="upper left", fontsize=8)
+    ax_count.set_xlabel("predicted survival")
+    ax_count.set_ylabel("rows per bin")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out

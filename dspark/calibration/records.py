@@ -1,0 +1,142 @@
+"""Recorded decoding rounds: the labelled data that survival maps are fitted and scored on.
+
+A record is one round of one request whose whole draft block was verified: its signals [γ, 3]
+(`dspark.calibration.signals`), how many drafts the block had (`available`) and how many of them the
+target accepted (`accepted`). Labels follow: draft k survived iff accepted ≥ k (cumulative); given that
+drafts 1..k−1 survived, draft k survived iff accepted ≥ k (conditional).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from dspark.calibration.signals import NUM_SIGNALS
+
+
+@dataclass
+class RoundRecords:
+    """n recorded rounds: signals [n, γ, 3] float32, available [n], accepted [n], greedy [n] bool, domain [n]."""
+
+    signals: torch.Tensor
+    available: torch.Tensor
+    accepted: torch.Tensor
+    greedy: torch.Tensor
+    domain: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = self.signals.shape[0]
+        if self.signals.dim() != 3 or self.signals.shape[2] != NUM_SIGNALS:
+            raise ValueError(f"signals must be [n, γ, {NUM_SIGNALS}], got {list(self.signals.shape)}")
+        for name in ("available", "accepted", "greedy"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(f"{name} must have shape [{n}], got {list(getattr(self, name).shape)}")
+        if not self.domain:
+            self.domain = [""] * n
+        if len(self.domain) != n:
+            raise ValueError(f"domain has {len(self.domain)} entries for {n} rounds")
+        if bool((self.accepted > self.available).any()):
+            raise ValueError("a round accepted more drafts than it had")
+
+    def __len__(self) -> int:
+        return self.signals.shape[0]
+
+    @property
+    def gamma(self) -> int:
+        """Block width γ."""
+        return self.signals.shape[1]
+
+    def subset(self, mask: torch.Tensor | Sequence[bool]) -> "RoundRecords":
+        """The rounds where mask is true."""
+        m = torch.as_tensor(mask, dtype=torch.bool)
+        return RoundRecords(self.signals[m], self.available[m], self.accepted[m], self.greedy[m],
+                            [d for d, keep in zip(self.domain, m.tolist()) if keep])
+
+    def domains(self) -> list[str]:
+        """Distinct domain labels in order of first appearance."""
+        return list(dict.fromkeys(self.domain))
+
+    def cumulative_labels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels [n, γ] float: accepted ≥ k, valid [n, γ] bool: k ≤ available)."""
+        k = torch.arange(1, self.gamma + 1).view(1, -1)
+        return (self.accepted.view(-1, 1) >= k).float(), k <= self.available.view(-1, 1)
+
+    def conditional_labels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels [n, γ] float: accepted ≥ k, valid [n, γ] bool: k ≤ available and accepted ≥ k − 1)."""
+        labels, valid = self.cumulative_labels()
+        k = torch.arange(1, self.gamma + 1).view(1, -1)
+        return labels, valid & (self.accepted.view(-1, 1) >= k - 1)
+
+    @classmethod
+    def concat(cls, parts: Iterable["RoundRecords"]) -> "RoundRecords":
+        """Join records of the same γ."""
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            raise ValueError("no rounds to join")
+        widths = {p.gamma for p in parts}
+        if len(widths) != 1:
+            raise ValueError(f"records of different block widths cannot be joined: {sorted(widths)}")
+        return cls(torch.cat([p.signals for p in parts]), torch.cat([p.available for p in parts]),
+                   torch.cat([p.accepted for p in parts]), torch.cat([p.greedy for p in parts]),
+                   [d for p in parts for d in p.domain])
+
+    def save(self, path: str | Path) -> Path:
+        """Write the rounds to a torch file atomically (temporary file, then os.replace)."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        torch.save({"format": "dspark-round-records", "version": 1, "signals": self.signals.cpu(),
+                    "available": self.available.cpu(), "accepted": self.accepted.cpu(),
+                    "greedy": self.greedy.cpu(), "domain": list(self.domain)}, tmp)
+        os.replace(tmp, out)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> RoundRecords:
+        """Read rounds written by `save`; a missing or malformed file raises ValueError naming it."""
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"round records file {p} does not exist")
+        try:
+            data = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - any unpickling failure means a corrupt file
+            raise ValueError(f"round records file {p} cannot be read (truncated or not a records file): {err}") \
+                from None
+        if not isinstance(data, dict) or data.get("format") != "dspark-round-records":
+            raise ValueError(f"round records file {p} is not a dspark round records file (field 'format')")
+        missing = [k for k in ("signals", "available", "accepted", "greedy", "domain") if k not in data]
+        if missing:
+            raise ValueError(f"round records file {p} lacks field(s) {missing}")
+        try:
+            return cls(data["signals"], data["available"], data["accepted"], data["greedy"], list(data["domain"]))
+        except (ValueError, TypeError, AttributeError) as err:
+            raise ValueError(f"round records file {p} is malformed: {err}") from None
+
+
+def records_from_results(results, temperatures: Sequence[float] | float, domain: str = "") -> RoundRecords:
+    """Rounds of `decode` results run with record_signals=True whose whole block was verified.
+
+    Rounds that drafted nothing, or whose block the scheduler cut (draft_len < available), are left out:
+    their labels past the cut are unknown.
+    """
+    temps = [temperatures] * len(results) if isinstance(temperatures, (int, float)) else list(temperatures)
+    sig, avail, acc, greedy = [], [], [], []
+    gamma = max((len(s.signals) for r in results for s in r.rounds if s.signals), default=0)
+    for res, temp in zip(results, temps):
+        for s in res.rounds:
+            if not s.signals or s.available is None or s.draft_len != s.available:
+                continue
+            row = torch.full((gamma, NUM_SIGNALS), float("nan"))
+            row[: len(s.signals)] = torch.tensor(s.signals, dtype=torch.float32)
+            sig.append(row)
+            avail.append(s.available)
+            acc.append(s.accepted)
+            greedy.append(temp == 0)
+    if not sig:
+        return RoundRecords(torch.zeros(0, gamma, NUM_SIGNALS), torch.zeros(0, dtype=torch.long),
+                            torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), [])
+    return RoundRecords(torch.stack(sig), torch.tensor(avail), torch.tensor(acc), torch.tensor(greedy),
+                        [domain] * len(sig))

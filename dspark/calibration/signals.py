@@ -1,0 +1,44 @@
+"""Non-anticipating per-position signals of a draft block, the inputs of every survival map.
+
+For draft k the scheduler may read the context, drafts 1..k−1 and the distribution q_k that x_k is drawn
+from, never x_k itself (shared/DESIGN.md, "Non-anticipation"). The signals below obey that:
+
+- channel 0, ``CONF_LOGIT``: the logit of the drafter's confidence c_k (DSpark's head reads h_k and
+  W1[x_{k−1}]); NaN for drafters without a confidence head.
+- channel 1, ``MAX_Q``: max_x q_k(x) of a sampled row's drafting distribution; NaN for greedy rows (q is
+  one-hot there) and for drafters without probabilities (n-gram).
+- channel 2, ``ENTROPY``: the entropy of q_k in nats; NaN where channel 1 is.
+
+The drafted token's own probability q_k(x_k) is deliberately absent: a map of it makes admission depend
+on x_k and biases sampled output.
+"""
+from __future__ import annotations
+
+import torch
+
+from dspark.drafters.base import DraftBlock
+
+CONF_LOGIT, MAX_Q, ENTROPY = 0, 1, 2
+NUM_SIGNALS = 3
+
+
+def block_signals(block: DraftBlock, greedy: torch.Tensor | None = None) -> torch.Tensor:
+    """Return float32 signals [R, γ, 3] of a block (NaN where a signal does not exist).
+
+    greedy: bool [R] rows that decode greedily (their q is one-hot, so channels 1 and 2 are NaN).
+    """
+    num_rows, gamma = block.tokens.shape
+    out = torch.full((num_rows, gamma, NUM_SIGNALS), float("nan"), dtype=torch.float32)
+    if gamma == 0:
+        return out
+    if block.confidences is not None:
+        c = block.confidences[:, :gamma].detach().float().cpu().clamp(1e-6, 1 - 1e-6)
+        out[:, : c.shape[1], CONF_LOGIT] = torch.log(c) - torch.log1p(-c)
+    if block.probs is not None:
+        q = block.probs[:, :gamma].detach().float()
+        out[:, : q.shape[1], MAX_Q] = q.amax(-1).cpu()
+        ent = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)
+        out[:, : q.shape[1], ENTROPY] = ent.cpu()
+        if greedy is not None and bool(greedy.any()):
+            out[greedy.cpu(), :, MAX_Q:] = float("nan")
+    return out

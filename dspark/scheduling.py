@@ -1,0 +1,460 @@
+"""Verification scheduling: how many of its drafts each request verifies in a step.
+
+The policies are pure functions of the survival estimates a[r, k] = P(drafts 1..k of request r all
+accepted), each request's limit (drafts available, speculation off, tokens left) and a cost model of the
+whole step; `Scheduler` wraps them with the little state some need (stale survivals for `dspark-async`,
+the back-off that skips drafting when it does not pay).
+
+Losslessness needs non-anticipation: whether draft k is verified may depend on drafts 1..k−1 and on q_k,
+never on x_k. Survivals are non-increasing along a block and the global admission order breaks ties by
+position, so a[r, k+1..] never precede (r, k): a cut of that order that reads only what precedes the cut
+(Algorithm 1's early stop, a budget, a count fixed before the step) keeps every request's admitted set a
+prefix decided before its next token is looked at. A global argmax over the whole order does not
+(paper, Appendix A) and is not offered.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+POLICIES = ("none", "fixed:K", "threshold:θ", "batch-table[:B=K,...]", "dspark", "dspark-async")
+LAYOUTS = ("padded", "ragged")
+
+
+def step_tokens(lengths: np.ndarray, layout: str) -> int:
+    """Query tokens of the target pass for per-request draft counts: B + Σℓ (ragged) or B·(1 + max ℓ) (padded)."""
+    lengths = np.asarray(lengths)
+    if lengths.size == 0:
+        return 0
+    if layout == "ragged":
+        return int(lengths.size + lengths.sum())
+    return int(lengths.size * (1 + lengths.max()))
+
+
+@dataclass
+class CostModel:
+    """Seconds of one whole decoding step, from a profiled table.
+
+    drafted[B] lists (N, seconds) for steps that drafted for B requests and sent N query tokens to the
+    target (drafting, the target pass, verification and commit all timed together); plain[B] is the
+    seconds of a step without drafting (N = B). `layout` says how the target counts tokens: "padded" (every
+    row padded to the longest: N = B·(1 + max ℓ), dspark's batched KV cache) or "ragged" (N = B + Σℓ,
+    flattened kernels as in vLLM).
+
+    Lookup keeps the curve's steps: B and N round up to the next profiled value (as a CUDA-graph engine
+    pads to the next captured size), never interpolating across a cliff; past the largest profiled value
+    the last two points extrapolate linearly. `observe` corrects the table online from measured steps.
+    """
+
+    drafted: dict[int, list[tuple[int, float]]]
+    plain: dict[int, float]
+    layout: str = "padded"
+    #: weight of a new measurement in the online correction (exponential forgetting of log-ratios)
+    alpha: float = 0.25
+    _cell_scale: dict[tuple, float] = field(default_factory=dict, repr=False)
+    _global_scale: float = field(default=1.0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"cost model layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if not self.drafted or not self.plain:
+            raise ValueError("a cost model needs at least one drafted and one plain entry")
+        self.drafted = {int(b): sorted((int(n), float(s)) for n, s in cells) for b, cells in self.drafted.items()}
+        self.plain = {int(b): float(s) for b, s in self.plain.items()}
+        for b, cells in self.drafted.items():
+            if not cells:
+                raise ValueError(f"cost model row B={b} has no cells")
+            for n, s in cells:
+                if not (math.isfinite(s) and s > 0):
+                    raise ValueError(f"cost model cell B={b} N={n} has seconds={s}; expected a positive number")
+        for b, s in self.plain.items():
+            if not (math.isfinite(s) and s > 0):
+                raise ValueError(f"cost model plain B={b} has seconds={s}; expected a positive number")
+        self._batches = np.array(sorted(self.drafted))
+        self._plain_batches = np.array(sorted(self.plain))
+        self._rows = {b: (np.array([n for n, _ in c]), np.array([s for _, s in c])) for b, c in self.drafted.items()}
+
+    # -- lookup ---------------------------------------------------------------------------------------
+    def _row_for(self, batch: int) -> tuple[int, float]:
+        """(profiled B at or above `batch`, factor for batches beyond the largest profiled one)."""
+        i = int(np.searchsorted(self._batches, batch))
+        if i < len(self._batches):
+            return int(self._batches[i]), 1.0
+        top = int(self._batches[-1])
+        return top, batch / top
+
+    def _base_many(self, batch: int, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Table seconds and cell index for query-token counts `tokens` at `batch` (no online correction)."""
+        b, factor = self._row_for(batch)
+        ns, secs = self._rows[b]
+        n = np.asarray(tokens, dtype=np.float64) / factor
+        idx = np.searchsorted(ns, n)
+        inside = idx < len(ns)
+        out = np.empty(n.shape, dtype=np.float64)
+        out[inside] = secs[idx[inside]]
+        if (~inside).any():
+            if len(ns) >= 2 and ns[-1] > ns[-2]:
+                slope = max(0.0, (secs[-1] - secs[-2]) / (ns[-1] - ns[-2]))
+            else:
+                slope = secs[-1] / max(1, ns[-1])
+            out[~inside] = secs[-1] + slope * (n[~inside] - ns[-1])
+        return out * factor, np.minimum(idx, len(ns))
+
+    def cost_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
+        """Seconds of drafted steps with `batch` requests for each entry of `tokens` (vectorised)."""
+        base, idx = self._base_many(batch, tokens)
+        if not self._cell_scale:
+            return base * self._global_scale
+        b, _ = self._row_for(batch)
+        scale = np.array([self._cell_scale.get(("d", b, int(i)), self._global_scale) for i in np.atleast_1d(idx)])
+        return base * scale.reshape(base.shape)
+
+    def cost(self, batch: int, tokens: int) -> float:
+        """Seconds of a drafted step with `batch` requests and `tokens` query tokens."""
+        return float(self.cost_many(batch, np.array([tokens]))[0])
+
+    def _plain_key(self, batch: int) -> tuple[int, float]:
+        i = int(np.searchsorted(self._plain_batches, batch))
+        if i < len(self._plain_batches):
+            return int(self._plain_batches[i]), 1.0
+        top = int(self._plain_batches[-1])
+        return top, batch / top
+
+    def plain_cost(self, batch: int) -> float:
+        """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
+        b, factor = self._plain_key(batch)
+        return self.plain[b] * factor * self._cell_scale.get(("p", b), self._global_scale)
+
+    # -- online correction ----------------------------------------------------------------------------
+    def observe(self, batch: int, tokens: int, seconds: float, drafted: bool) -> None:
+        """Fold a measured step time into the model: the cell's scale moves towards measured / table.
+
+        Each cell keeps an exponentially forgetting mean of log(measured / table); cells not yet measured
+        use the mean over all measurements. A ratio is clamped to [1/20, 20] so one stall cannot swing the
+        model; after a lasting change the scale is within 5% of it after about ten steps of that cell.
+        """
+        if not (math.isfinite(seconds) and seconds > 0):
+            return
+        if drafted:
+            base, idx = self._base_many(batch, np.array([tokens]))
+            key = ("d", self._row_for(batch)[0], int(idx[0]))
+            table = float(base[0])
+        else:
+            b, factor = self._plain_key(batch)
+            key, table = ("p", b), self.plain[b] * factor
+        log_ratio = math.log(min(20.0, max(0.05, seconds / table)))
+        old = math.log(self._cell_scale.get(key, self._global_scale))
+        self._cell_scale[key] = math.exp(old + self.alpha * (log_ratio - old))
+        g = math.log(self._global_scale)
+        self._global_scale = math.exp(g + self.alpha * (log_ratio - g))
+
+    # -- (de)serialisation ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The table as JSON-ready data (online corrections are not saved)."""
+        return {"layout": self.layout, "plain": {str(b): s for b, s in sorted(self.plain.items())},
+                "drafted": {str(b): [[n, s] for n, s in c] for b, c in sorted(self.drafted.items())}}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "cost model") -> "CostModel":
+        """Build from `to_dict` output; a missing or malformed field fails naming it."""
+        for key in ("plain", "drafted"):
+            if not isinstance(data.get(key), dict) or not data[key]:
+                raise ValueError(f"{where}: field {key!r} is missing or empty")
+        try:
+            drafted = {int(b): [(int(n), float(s)) for n, s in cells] for b, cells in data["drafted"].items()}
+            plain = {int(b): float(s) for b, s in data["plain"].items()}
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: malformed table ({err})") from None
+        try:
+            return cls(drafted, plain, data.get("layout", "padded"))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+
+def uniform_cost_model(gamma: int = 7, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                       draft_share: float = 0.2, per_token: float = 0.002, layout: str = "ragged") -> CostModel:
+    """A synthetic memory-bound-then-compute-bound curve (for tests and the simulator's defaults).
+
+    A plain step of B requests costs 1 + per_token·B; drafting adds draft_share of a step at batch 1, and
+    verification adds per_token per query token.
+    """
+    drafted, plain = {}, {}
+    for b in batches:
+        plain[b] = 1.0 + per_token * b
+        top = b * (gamma + 1)
+        drafted[b] = [(n, 1.0 + draft_share * (1 + per_token * b) + per_token * n) for n in range(b, top + 1)]
+    return CostModel(drafted, plain, layout)
+
+
+# ------------------------------------------------------------------------------------------------------
+# pure policies
+
+
+def _as_numpy(x, dtype=np.float64) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def fixed_lengths(k: int, limits: Sequence[int]) -> np.ndarray:
+    """Every request verifies min(k, its limit) drafts."""
+    return np.minimum(int(k), _as_numpy(limits, np.int64))
+
+
+def threshold_lengths(survival, limits: Sequence[int], theta: float) -> np.ndarray:
+    """Verify while a[r, k] ≥ θ (the leading run of such positions), within each request's limit."""
+    a = _as_numpy(survival)
+    lim = _as_numpy(limits, np.int64)
+    if a.size == 0:
+        return np.zeros(len(lim), dtype=np.int64)
+    run = np.cumprod(a >= theta, axis=1).sum(1)
+    return np.minimum(run, lim)
+
+
+def batch_table_lengths(table: dict[int, int], limits: Sequence[int]) -> np.ndarray:
+    """vLLM-style dynamic speculation: K from the entry of the largest batch size ≤ the number of requests."""
+    lim = _as_numpy(limits, np.int64)
+    keys = sorted(table)
+    fitting = [b for b in keys if b <= len(lim)]
+    k = table[fitting[-1]] if fitting else table[keys[0]]
+    return np.minimum(k, lim)
+
+
+def admission_order(survival, limits: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidates (r, k) with k ≤ limit[r] and a[r, k] > 0 in decreasing survival, ties by position then row.
+
+    Returns (rows, positions (1-based), survivals) in admission order.
+    """
+    a = _as_numpy(survival)
+    lim = _as_numpy(limits, np.int64)
+    if a.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0)
+    rows, cols = np.nonzero((np.arange(a.shape[1])[None, :] < lim[:, None]) & (a > 0))
+    vals = a[rows, cols]
+    order = np.lexsort((rows, cols, -vals))  # last key is primary: survival down, then position, then row
+    return rows[order], cols[order] + 1, vals[order]
+
+
+def _path(survival, limits, cost: CostModel, token_budget: int | None):
+    """Admission path: rows, per-step expected committed tokens and throughput Θ_j for j = 0..M admitted."""
+    lim = _as_numpy(limits, np.int64)
+    num = len(lim)
+    rows, pos, vals = admission_order(survival, lim)
+    tau = num + np.concatenate([[0.0], np.cumsum(vals)])
+    if cost.layout == "ragged":
+        tokens = num + np.arange(len(rows) + 1)
+    else:
+        tokens = num * (1 + np.maximum.accumulate(np.concatenate([[0], pos])))
+    if token_budget is not None:
+        fits = tokens <= max(token_budget, num)
+        stop = len(fits) if fits.all() else int(np.argmin(fits))
+        rows, tau, tokens = rows[: max(0, stop - 1)], tau[:stop], tokens[:stop]
+    theta = tau / cost.cost_many(num, tokens)
+    return rows, tau, theta
+
+
+def _lengths_from(rows: np.ndarray, count: int, num: int) -> np.ndarray:
+    return np.bincount(rows[:count], minlength=num).astype(np.int64)
+
+
+def prefix_schedule(survival, limits: Sequence[int], cost: CostModel,
+                    token_budget: int | None = None) -> tuple[np.ndarray, float]:
+    """Algorithm 1 (DSpark): admit candidates in decreasing survival while Θ = E[committed] / cost rises.
+
+    Stops at the first admission with Θ ≤ Θ_best, so the cut reads nothing past it (lossless). Returns the
+    per-request lengths and the expected Θ (tokens per second) of the chosen step.
+    """
+    num = len(limits)
+    rows, _, theta = _path(survival, limits, cost, token_budget)
+    if len(theta) <= 1:
+        return np.zeros(num, dtype=np.int64), float(theta[0]) if len(theta) else 0.0
+    falls = np.nonzero(theta[1:] <= np.maximum.accumulate(theta)[:-1])[0]
+    count = int(falls[0]) if len(falls) else len(theta) - 1
+    return _lengths_from(rows, count, num), float(theta[count])
+
+
+def best_capacity(survival, limits: Sequence[int], cost: CostModel, token_budget: int | None = None) -> tuple[int, float]:
+    """Unconstrained global search along the admission path: (number of drafts at the best Θ, that Θ).
+
+    It reads the whole path, so it must only be applied to survivals of steps already finished
+    (`dspark-async` uses those of two steps before); on the current block it would anticipate.
+    """
+    _, _, theta = _path(survival, limits, cost, token_budget)
+    best = int(np.argmax(theta)) if len(theta) else 0
+    return best, float(theta[best]) if len(theta) else 0.0
+
+
+def top_capacity(survival, limits: Sequence[int], capacity: int, cost: CostModel | None = None,
+                 token_budget: int | None = None) -> np.ndarray:
+    """Admit the first `capacity` candidates of the admission order (a capacity fixed before the step)."""
+    lim = _as_numpy(limits, np.int64)
+    if cost is not None and token_budget is not None:
+        rows, _, theta = _path(survival, lim, cost, token_budget)
+        capacity = min(capacity, len(theta) - 1)
+    else:
+        rows, _, _ = admission_order(survival, lim)
+    return _lengths_from(rows, max(0, int(capacity)), len(lim))
+
+
+def cap_to_budget(lengths: np.ndarray, token_budget: int | None, layout: str) -> np.ndarray:
+    """Shorten the longest requests (ties: the later row) until the step fits the token budget."""
+    out = np.array(lengths, dtype=np.int64)
+    if token_budget is None or out.size == 0:
+        return out
+    while step_tokens(out, layout) > max(token_budget, out.size) and out.max() > 0:
+        r = int(len(out) - 1 - np.argmax(out[::-1]))
+        out[r] -= 1
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# stateful wrapper
+
+
+@dataclass
+class StepPlan:
+    """Per-request verification lengths of one step, with what the policy expected of it."""
+
+    lengths: list[int]
+    expected_throughput: float | None = None
+    capacity: int | None = None
+
+
+class Scheduler:
+    """A named policy plus its state. The decoding loop calls `wants_drafts` before drafting, then `plan`.
+
+    name: "none" | "fixed:K" | "threshold:θ" | "batch-table[:B=K,...]" | "dspark" | "dspark-async".
+    Adaptive policies ("dspark", "dspark-async") skip drafting when even their best schedule is expected
+    slower than plain decoding, for a back-off of 4 steps that grows fourfold while drafting keeps not
+    paying (up to `max_backoff`), then probe again: over n steps that never pay, about log4(n) probes.
+    """
+
+    def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
+        self.spec = spec
+        self.gamma = gamma
+        self.kind, self.param = parse_policy(spec, gamma)
+        self.max_backoff = max_backoff
+        self._skip = 0
+        self._backoff = 4
+        self._history: deque[dict[int, np.ndarray]] = deque(maxlen=2)
+        self.drafted_steps = 0
+        self.skipped_steps = 0
+
+    @property
+    def needs_survival(self) -> bool:
+        """Whether `plan` reads survival estimates."""
+        return self.kind in ("threshold", "dspark", "dspark-async")
+
+    @property
+    def needs_cost(self) -> bool:
+        """Whether `plan` reads the cost model."""
+        return self.kind in ("dspark", "dspark-async")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the policy may skip drafting when it does not pay."""
+        return self.kind in ("dspark", "dspark-async")
+
+    def wants_drafts(self, num_rows: int) -> bool:
+        """Whether the coming step should call the drafter at all."""
+        if self.kind == "none" or (self.kind == "fixed" and self.param == 0):
+            return False
+        if self._skip > 0:
+            self._skip -= 1
+            self.skipped_steps += 1
+            return False
+        self.drafted_steps += 1
+        return True
+
+    def plan(self, survival, limits: Sequence[int], cost: CostModel | None = None, token_budget: int | None = None,
+             request_ids: Sequence[int] | None = None) -> StepPlan:
+        """Per-request lengths for a step whose block was drafted (survival [R, γ]; None when not needed)."""
+        lim = _as_numpy(limits, np.int64)
+        num = len(lim)
+        layout = cost.layout if cost is not None else "padded"
+        if self.kind == "none":
+            return StepPlan([0] * num)
+        if self.kind == "fixed":
+            return StepPlan(cap_to_budget(fixed_lengths(self.param, lim), token_budget, layout).tolist())
+        if self.kind == "batch-table":
+            return StepPlan(cap_to_budget(batch_table_lengths(self.param, lim), token_budget, layout).tolist())
+        if survival is None:
+            raise ValueError(f"scheduler {self.spec!r} needs survival estimates")
+        a = _as_numpy(survival)
+        if self.kind == "threshold":
+            return StepPlan(cap_to_budget(threshold_lengths(a, lim, self.param), token_budget, layout).tolist())
+        if cost is None:
+            raise ValueError(f"scheduler {self.spec!r} needs a cost model")
+        ids = list(range(num)) if request_ids is None else list(request_ids)
+        stale = self._history[0] if len(self._history) == 2 else None
+        self._history.append({i: a[r] for r, i in enumerate(ids)})
+        if self.kind == "dspark" or stale is None:
+            lengths, theta = prefix_schedule(a, lim, cost, token_budget)
+            capacity = int(lengths.sum())
+        else:  # dspark-async: capacity from survivals two steps old, admitted by current survival
+            fallback = np.mean(list(stale.values()), axis=0)
+            old = np.stack([stale.get(i, fallback) for i in ids])
+            capacity, theta = best_capacity(old, lim, cost, token_budget)
+            lengths = top_capacity(a, lim, capacity, cost, token_budget)
+        self._after_plan(theta, cost.plain_cost(num), num)
+        return StepPlan(lengths.tolist(), theta, capacity)
+
+    def _after_plan(self, theta: float, plain_seconds: float, num: int) -> None:
+        """Back off from drafting when its best expected Θ is below plain decoding's."""
+        if not self.adaptive:
+            return
+        if theta < num / plain_seconds:
+            self._skip = self._backoff
+            self._backoff = min(self.max_backoff, self._backoff * 4)
+        else:
+            self._backoff = 4
+
+
+def parse_policy(spec: str, gamma: int) -> tuple[str, object]:
+    """Parse a scheduler name into (kind, parameter); a bad name or value fails naming it and the range."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}; got {spec!r}")
+    name, _, arg = spec.partition(":")
+    if name in ("none", "dspark", "dspark-async"):
+        if arg:
+            raise ValueError(f"scheduler {name!r} takes no parameter, got {spec!r}")
+        return name, None
+    if name == "fixed":
+        if not arg:
+            return "fixed", gamma
+        try:
+            k = int(arg)
+        except ValueError:
+            raise ValueError(f"scheduler fixed:K needs an integer K in [0, {gamma}], got {arg!r}") from None
+        if not 0 <= k <= gamma:
+            raise ValueError(f"scheduler fixed:K needs K in [0, {gamma}] (the drafter's block), got {k}")
+        return "fixed", k
+    if name == "threshold":
+        try:
+            theta = float(arg)
+        except ValueError:
+            raise ValueError(f"scheduler threshold:θ needs a number θ in (0, 1], got {arg!r}") from None
+        if not 0.0 < theta <= 1.0:
+            raise ValueError(f"scheduler threshold:θ needs θ in (0, 1], got {theta}")
+        return "threshold", theta
+    if name == "batch-table":
+        if not arg:  # shrink K as the batch grows, as vLLM's dynamic speculation does
+            table = {1: gamma, 4: min(gamma, 4), 16: min(gamma, 2), 64: 1}
+            return "batch-table", table
+        table = {}
+        for item in arg.split(","):
+            b, _, k = item.partition("=")
+            try:
+                table[int(b)] = int(k)
+            except ValueError:
+                raise ValueError(f"scheduler batch-table needs entries B=K separated by commas, got {item!r}") from None
+            if int(b) < 1 or not 0 <= int(k) <= gamma:
+                raise ValueError(f"batch-table entry {item!r}: need B >= 1 and K in [0, {gamma}]")
+        return "batch-table", table
+    raise ValueError(f"unknown scheduler {spec!r}; choose one of {', '.join(POLICIES)}")

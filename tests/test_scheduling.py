@@ -1,0 +1,238 @@
+"""Verification schedulers and the step-cost model: policies, Algorithm 1, capacity, budgets, online correction."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dspark.decoding import StepInfo, decode
+from dspark.drafters.ngram import NgramDrafter
+from dspark.sampling import SamplingParams
+from dspark.scheduling import (
+    CostModel,
+    Scheduler,
+    admission_order,
+    best_capacity,
+    cap_to_budget,
+    prefix_schedule,
+    step_tokens,
+    threshold_lengths,
+    top_capacity,
+    uniform_cost_model,
+)
+
+
+def appendix_a_cost() -> CostModel:
+    """The paper's Appendix A curve: SPS(1) = 1.0, SPS(2) = 0.5, SPS(3) = 0.45 (seconds = 1 / SPS)."""
+    return CostModel({1: [(1, 1.0), (2, 2.0), (3, 1 / 0.45)]}, {1: 1.0}, "ragged")
+
+
+def test_step_tokens_layouts():
+    assert step_tokens(np.array([0, 3, 1]), "ragged") == 3 + 4
+    assert step_tokens(np.array([0, 3, 1]), "padded") == 3 * 4
+
+
+def test_cost_lookup_keeps_steps_and_extrapolates():
+    cost = CostModel({4: [(4, 1.0), (8, 1.0), (12, 2.0), (16, 2.5)]}, {4: 0.8}, "ragged")
+    assert cost.cost(4, 5) == 1.0  # rounds up inside the flat segment
+    assert cost.cost(4, 9) == 2.0  # past the cliff: the next profiled cell, no smoothing across it
+    assert cost.cost(4, 20) == pytest.approx(2.5 + 0.5 / 4 * 4)  # linear past the table
+    assert cost.cost(3, 8) == 1.0  # fewer requests: the next profiled batch
+    assert cost.cost(8, 16) == pytest.approx(2 * cost.cost(4, 8))  # beyond the largest batch: scaled
+    assert cost.plain_cost(4) == 0.8
+
+
+def test_cost_model_rejects_bad_tables():
+    with pytest.raises(ValueError, match="B=1 N=2"):
+        CostModel({1: [(1, 1.0), (2, -1.0)]}, {1: 1.0})
+    with pytest.raises(ValueError, match="layout"):
+        CostModel({1: [(1, 1.0)]}, {1: 1.0}, "paged")
+    with pytest.raises(ValueError, match="'plain'"):
+        CostModel.from_dict({"drafted": {"1": [[1, 1.0]]}})
+    cost = uniform_cost_model()
+    again = CostModel.from_dict(cost.to_dict())
+    assert again.cost(16, 40) == cost.cost(16, 40) and again.plain_cost(16) == cost.plain_cost(16)
+
+
+def test_admission_order_is_by_survival_then_position():
+    a = np.array([[0.9, 0.9, 0.5], [0.95, 0.4, 0.4]])
+    rows, pos, vals = admission_order(a, [3, 2])
+    assert list(zip(rows.tolist(), pos.tolist())) == [(1, 1), (0, 1), (0, 2), (0, 3), (1, 2)]
+    assert vals.tolist() == [0.95, 0.9, 0.9, 0.5, 0.4]
+    rows, pos, _ = admission_order(a, [0, 1])  # limits cut candidates
+    assert list(zip(rows.tolist(), pos.tolist())) == [(1, 1)]
+
+
+def test_appendix_a_algorithm_1_stops_early_and_global_search_does_not():
+    cost = appendix_a_cost()
+    lengths, theta = prefix_schedule([[0.8, 0.72]], [2], cost)
+    assert lengths.tolist() == [0] and theta == pytest.approx(1.0)  # Θ1 = 0.9 < Θ0 = 1.0: stop
+    capacity, theta = best_capacity([[0.8, 0.72]], [2], cost)
+    assert capacity == 2 and theta == pytest.approx(2.52 * 0.45)  # the anticipating global maximum
+
+
+def brute_force_best(a: np.ndarray, limits, cost: CostModel) -> float:
+    """The best Θ over every prefix-length assignment."""
+    best = 0.0
+    for lens in itertools.product(*[range(int(l) + 1) for l in limits]):
+        lens = np.array(lens)
+        tau = len(lens) + sum(a[r, : lens[r]].sum() for r in range(len(lens)))
+        best = max(best, tau / cost.cost(len(lens), step_tokens(lens, cost.layout)))
+    return best
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+def test_algorithm_1_finds_the_optimum_on_a_concave_curve(layout):
+    rng = np.random.default_rng(0)
+    cost = uniform_cost_model(gamma=4, batches=(1, 2, 4), per_token=0.15, layout=layout)
+    for _ in range(20):
+        a = np.cumprod(rng.uniform(0.2, 1.0, size=(3, 4)), 1)
+        lengths, theta = prefix_schedule(a, [4, 4, 4], cost)
+        tau = 3 + sum(a[r, : lengths[r]].sum() for r in range(3))
+        assert theta == pytest.approx(tau / cost.cost(3, step_tokens(lengths, layout)))
+        if layout == "ragged":  # Θ is unimodal along the path: the early stop is the global optimum
+            assert theta == pytest.approx(brute_force_best(a, [4, 4, 4], cost))
+
+
+def test_admitted_sets_are_prefixes_and_respect_limits_and_budget():
+    rng = np.random.default_rng(1)
+    cost = uniform_cost_model(gamma=7, batches=(8,), per_token=0.01, layout="ragged")
+    for _ in range(30):
+        a = np.cumprod(rng.uniform(0.3, 1.0, size=(8, 7)), 1)
+        limits = rng.integers(0, 8, size=8)
+        for budget in (None, 20):
+            lengths, _ = prefix_schedule(a, limits, cost, budget)
+            assert (lengths <= limits).all()
+            if budget is not None:
+                assert step_tokens(lengths, "ragged") <= budget
+            top = top_capacity(a, limits, 10)
+            assert (top <= limits).all() and top.sum() == min(10, int(limits.sum()))
+            # top-capacity admits by survival: every admitted survival ≥ every refused one
+            admitted = [a[r, k] for r in range(8) for k in range(top[r])]
+            refused = [a[r, k] for r in range(8) for k in range(top[r], limits[r])]
+            if admitted and refused:
+                assert min(admitted) >= max(refused)
+
+
+def test_threshold_and_budget_caps():
+    a = np.array([[0.9, 0.8, 0.3, 0.2], [0.4, 0.3, 0.2, 0.1]])
+    assert threshold_lengths(a, [4, 4], 0.5).tolist() == [2, 0]
+    assert threshold_lengths(a, [1, 4], 0.35).tolist() == [1, 1]
+    assert cap_to_budget(np.array([4, 4, 1]), 9, "ragged").tolist() == [3, 2, 1]
+    assert cap_to_budget(np.array([4, 2]), 6, "padded").tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("fastest", "unknown scheduler 'fastest'"),
+    ("threshold:0", r"θ in \(0, 1\], got 0.0"),
+    ("threshold:1.5", r"θ in \(0, 1\], got 1.5"),
+    ("threshold:x", "needs a number"),
+    ("fixed:9", r"K in \[0, 7\]"),
+    ("batch-table:4=9", "K in"),
+    ("dspark:3", "takes no parameter"),
+])
+def test_bad_scheduler_names_fail_naming_the_value(spec, message):
+    with pytest.raises(ValueError, match=message):
+        Scheduler(spec, gamma=7)
+
+
+def test_batch_table_follows_the_batch_size():
+    s = Scheduler("batch-table:1=7,4=3,16=1", gamma=7)
+    assert s.plan(None, [7, 7]).lengths == [7, 7]
+    assert s.plan(None, [7] * 5).lengths == [3] * 5
+    assert s.plan(None, [7] * 20).lengths == [1] * 20
+
+
+def test_async_capacity_comes_from_survivals_two_steps_old():
+    cost = uniform_cost_model(gamma=4, batches=(2,), per_token=0.2, layout="ragged")
+    s = Scheduler("dspark-async", gamma=4)
+    high = np.full((2, 4), 0.95).cumprod(1)
+    low = np.full((2, 4), 0.3).cumprod(1)
+    first = s.plan(high, [4, 4], cost, request_ids=[0, 1])  # no history: Algorithm 1
+    assert first.lengths == prefix_schedule(high, [4, 4], cost)[0].tolist()
+    s.plan(low, [4, 4], cost, request_ids=[0, 1])
+    third = s.plan(low, [4, 4], cost, request_ids=[0, 1])  # capacity from `high`, admitted by `low`
+    assert third.capacity == best_capacity(high, [4, 4], cost)[0]
+    assert sum(third.lengths) == third.capacity
+
+
+def test_dspark_backs_off_when_drafting_does_not_pay_then_probes():
+    # drafting costs 10 plain steps: even perfect drafts of 7 cannot pay
+    cost = CostModel({1: [(n, 10.0) for n in range(1, 9)]}, {1: 1.0}, "ragged")
+    s = Scheduler("dspark", gamma=7)
+    a = np.ones((1, 7))
+    pattern = []
+    for _ in range(40):
+        d = s.wants_drafts(1)
+        pattern.append(d)
+        if d:
+            s.plan(a, [7], cost)
+    assert pattern[0] and not pattern[1]
+    assert pattern[:6] == [True, False, False, False, False, True]  # back-off of 4, then 16
+    assert sum(pattern) == 3  # probes at steps 1, 6 and 23 only
+    assert s.skipped_steps == 40 - sum(pattern)
+
+
+def test_online_correction_changes_the_schedule_within_bounded_steps():
+    """An injected clock: the machine's drafted steps become 4x slower; the schedule must follow."""
+    cost = uniform_cost_model(gamma=7, batches=(4,), draft_share=0.2, per_token=0.01, layout="padded")
+    s = Scheduler("dspark", gamma=7)
+    a = np.full((4, 7), 0.5).cumprod(1)
+    assert sum(s.plan(a, [7] * 4, cost).lengths) > 0 and s._skip == 0
+    changed_at = None
+    for step in range(1, 30):
+        lengths = [3] * 4
+        n = step_tokens(np.array(lengths), "padded")
+        cost.observe(4, n, 4.0 * cost._base_many(4, np.array([n]))[0][0], drafted=True)  # injected clock
+        cost.observe(4, 4, cost.plain[4], drafted=False)
+        s._backoff, s._skip = 4, 0
+        s.plan(a, [7] * 4, cost)
+        if s._skip > 0:
+            changed_at = step
+            break
+    assert changed_at is not None and changed_at <= 10
+    assert cost.cost(4, 16) > 1.5 * cost._base_many(4, np.array([16]))[0][0]
+
+
+def test_online_correction_is_bounded_against_garbage():
+    cost = uniform_cost_model(gamma=3, batches=(1,), layout="ragged")
+    before = cost.cost(1, 3)
+    for bad in (float("nan"), float("inf"), -1.0, 0.0):
+        cost.observe(1, 3, bad, drafted=True)
+    assert cost.cost(1, 3) == before
+    cost.observe(1, 3, 1e9, drafted=True)  # one stall: clamped to 20x, moved by alpha
+    assert cost.cost(1, 3) < before * 20 ** cost.alpha * 1.0001
+
+
+def test_decode_with_drafting_that_never_pays_stays_at_plain_speed(qwen3_target):
+    """Modeled on an injected cost where a drafted step costs 3 plain steps (random-weight target: n-gram
+    drafts are nearly never accepted): the adaptive policy must stay within 3% of plain decoding (it
+    probes rarely), while fixed drafting is far slower."""
+    cost = CostModel({b: [(n, 3.0) for n in range(b, 8 * b + 1)] for b in (1, 2, 4)}, {1: 1.0, 2: 1.0, 4: 1.0},
+                     "padded")
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4, 5], [7, 8, 7, 8, 7, 8, 7, 8]]
+
+    def modeled(spec: str) -> float:
+        steps: list[StepInfo] = []
+        results = decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 200, scheduler=spec,
+                         cost_model=cost, on_step=steps.append, online_cost=False, eos_token_ids=frozenset())
+        seconds = sum(cost.cost(s.batch, s.tokens) if s.drafted else cost.plain_cost(s.batch) for s in steps)
+        return sum(len(r.token_ids) for r in results) / seconds
+
+    plain, adaptive, fixed = modeled("none"), modeled("dspark"), modeled("fixed:4")
+    assert adaptive >= 0.97 * plain
+    assert fixed < 0.8 * plain
+
+
+def test_decode_scheduler_lengths_and_limits(qwen3_target):
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2]] * 3
+    out = decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 20, scheduler="fixed:2",
+                 draft_limits=[0, 1, 4])
+    for r, cap in zip(out, [0, 1, 2]):
+        assert max(s.draft_len for s in r.rounds) <= cap
+    assert max(s.draft_len for s in out[2].rounds) == 2
+    with pytest.raises(ValueError, match="needs a cost model"):
+        decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 5, scheduler="dspark")
+    with pytest.raises(ValueError, match="draft_limits"):
+        decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 5, draft_limits=[1])
