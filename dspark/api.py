@@ -10,11 +10,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from dspark.decoding import GenerationResult, decode
+from dspark.decoding import GenerationResult, decode, drafter_gamma
 from dspark.drafters.base import Drafter, NoDrafter
 from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.sampling import SamplingParams
+from dspark.scheduling import CostModel, Scheduler
 from dspark.target import CausalLM
 from dspark.zoo import bundled_drafter_path, default_target_path
 
@@ -153,6 +154,17 @@ def _load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None 
     return drafter
 
 
+def step_cost_model(target: CausalLM, drafter: Drafter, max_batch: int, profile: str | Path | None = None,
+                    reprofile: bool = True) -> CostModel:
+    """This setup's step-cost model for batches up to `max_batch`: from `profile` (or the cache), checked
+    against the setup's fingerprint, re-measured when missing or mismatched (unless reprofile is False)."""
+    from dspark.profiling import load_or_profile
+
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
+    batches = sorted(set(batches))
+    return load_or_profile(target, drafter, getattr(drafter, "name", None), batches, path=profile, reprofile=reprofile)
+
+
 def encode_prompt(target: CausalLM, prompt: str, chat: bool = True) -> list[int]:
     """Tokenize a prompt, wrapped in the chat template as a user turn when `chat` is set."""
     if target.tokenizer is None:
@@ -178,10 +190,16 @@ def generate(
     seed: int | None = None,
     chat: bool = True,
     on_tokens: Callable[[int, list[int]], None] | None = None,
+    scheduler: str = "fixed",
+    cost_model: CostModel | None = None,
+    profile: str | Path | None = None,
 ) -> list[GenerationResult]:
     """Generate for one prompt or a batch; return per prompt the token ids, the text and per-round stats.
 
     Request i of a batch uses seed + i, so a batch is reproducible and its rows are independent.
+    scheduler: how many drafts each request verifies per step ("fixed" verifies the whole block; see
+    `dspark.scheduling`). "dspark" and "dspark-async" need this machine's step-cost profile: `cost_model`,
+    or the profile file `profile`, or the cached profile of this setup (measured now when there is none).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -189,7 +207,11 @@ def generate(
     params = [
         SamplingParams(temperature, top_k, top_p, None if seed is None else seed + i) for i in range(len(ids))
     ]
-    results = decode(target, drafter, ids, params, max_new_tokens, on_tokens=on_tokens)
+    sched = Scheduler(scheduler, drafter_gamma(drafter))
+    if sched.needs_cost and cost_model is None:
+        cost_model = step_cost_model(target, drafter, len(ids), profile)
+    results = decode(target, drafter, ids, params, max_new_tokens, on_tokens=on_tokens, scheduler=sched,
+                     cost_model=cost_model)
     for r in results:
         r.text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     return results

@@ -14,6 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (drafter default if unset)")
+    p.add_argument("--calibration", default="auto",
+                   help="survival calibration JSON (default: calibration.json beside the drafter; 'none': uncalibrated)")
     p.add_argument("--bias-candidates", type=int, default=None,
                    help="DSpark's Markov bias on each slot's top-K base logits only (default: the whole vocabulary); "
                         "exact, but it lowers the bundled drafter's tau (benchmarks/results/rank/)")
@@ -37,9 +39,27 @@ class _Streamer:
         self.printed = len(text)
 
 
+def _calibration_arg(args: argparse.Namespace):
+    value = getattr(args, "calibration", "auto")
+    return None if value == "none" else value
+
+
+def _add_scheduler_args(p: argparse.ArgumentParser, many: bool = False) -> None:
+    help_names = "none | fixed | fixed:K | threshold:θ | batch-table[:B=K,...] | dspark | dspark-async"
+    if many:
+        p.add_argument("--schedulers", nargs="+", default=["fixed"],
+                       help=f"schedulers to compare, each with every drafter: {help_names} (default: fixed, the whole block)")
+    else:
+        p.add_argument("--scheduler", default="fixed",
+                       help=f"how many drafts each request verifies per step: {help_names} (default: fixed, the whole block)")
+    p.add_argument("--profile", default=None,
+                   help="step-cost profile JSON for dspark / dspark-async (default: this setup's cached profile, "
+                        "measured on first use; see `dspark profile`)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     target = load_target(args.target, args.dtype, args.device)
-    drafter = load_drafter(args.drafter, target, args.gamma, args.bias_candidates)
+    drafter = load_drafter(args.drafter, target, args.gamma, args.bias_candidates, _calibration_arg(args))
     streamer = _Streamer(target.tokenizer)
     start = time.perf_counter()
     (result,) = generate(
@@ -53,13 +73,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         chat=not args.raw,
         on_tokens=streamer,
+        scheduler=args.scheduler,
+        profile=args.profile,
     )
     seconds = time.perf_counter() - start
     n = len(result.token_ids)
     print()
     print(
         f"tokens={n} rounds={len(result.rounds)} tau={result.tau:.2f} tok/s={n / seconds:.1f} "
-        f"drafter={args.drafter} finish={result.finish_reason}"
+        f"drafter={args.drafter} scheduler={args.scheduler} finish={result.finish_reason}"
     )
     return 0
 
@@ -81,7 +103,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
         json_path=args.json,
         seed=args.seed,
         plot_path=args.plot,
+        schedulers=args.schedulers,
+        profile=args.profile,
     )
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dspark.api import calibration_path
+    from dspark.calibration.job import run_calibrate
+
+    target = load_target(args.target, args.dtype, args.device)
+    drafter = load_drafter(args.drafter, target, args.gamma, calibration=None)
+    out = args.out or calibration_path(drafter)
+    if out is None:
+        raise ValueError(f"drafter {args.drafter!r} has no folder to keep a calibration beside: give --out FILE")
+    run_calibrate(target, drafter, out, args.temperatures, args.domains, label=getattr(drafter, "name", args.drafter),
+                  fit_prompts=args.fit_prompts, eval_prompts=args.eval_prompts, fit_offset=args.fit_offset,
+                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, plot_dir=args.plot_dir)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from dspark.identity import drafter_id
+    from dspark.profiling import default_profile_path, fingerprint_for, plot_profile, profile_steps
+
+    target = load_target(args.target, args.dtype, args.device)
+    drafter = load_drafter(args.drafter, target, args.gamma, calibration=None)
+    prof = profile_steps(target, drafter, batches=args.batches, context_len=args.context_len, warmup=args.warmup,
+                         reps=args.reps, drafter_name=getattr(drafter, "name", args.drafter))
+    out = args.out or default_profile_path(fingerprint_for(target, drafter, getattr(drafter, "name", args.drafter),
+                                                           args.context_len))
+    prof.save(out)
+    if args.plot:
+        plot_profile(prof, args.plot)
+    cost = prof.cost
+    print(f"step cost of {drafter_id(drafter)} at context {args.context_len} (ms; N = query tokens of the target pass)")
+    for b in sorted(cost.drafted):
+        cells = " ".join(f"N={n}:{s * 1e3:.1f}" for n, s in cost.drafted[b])
+        print(f"B={b:<4} plain {cost.plain[b] * 1e3:.1f} | drafted {cells}")
+    print(f"wrote {out}")
     return 0
 
 
@@ -160,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     _add_model_args(g)
+    _add_scheduler_args(g)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="run drafters side by side on the held-out prompts of each domain")
@@ -173,7 +236,37 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     b.add_argument("--plot", default=None, help="write a PNG of per-position acceptance per drafter")
     _add_model_args(b)
+    _add_scheduler_args(b, many=True)
     b.set_defaults(func=cmd_bench)
+
+    cal = sub.add_parser("calibrate", help="fit a drafter's survival calibration on recorded rounds and report "
+                                           "ECE / Brier / AUROC / log loss before and after on disjoint prompts")
+    cal.add_argument("drafter", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    cal.add_argument("--domains", nargs="+", default=["code", "prose", "math"])
+    cal.add_argument("--temperatures", "--temperature", nargs="+", type=float, default=[0.0, 1.0])
+    cal.add_argument("--out", default=None, help="calibration JSON (default: calibration.json beside the drafter, "
+                                                 "which load_drafter picks up); other temperatures in it are kept")
+    cal.add_argument("--fit-prompts", type=int, default=40, help="fitting prompts per domain, from --fit-offset on")
+    cal.add_argument("--fit-offset", type=int, default=60, help="first held-out prompt used for fitting")
+    cal.add_argument("--eval-prompts", type=int, default=40, help="scoring prompts per domain, from 0 (disjoint)")
+    cal.add_argument("--max-new-tokens", type=int, default=128)
+    cal.add_argument("--batch-size", type=int, default=8)
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--plot-dir", default=None, help="write reliability diagrams (PNG) before/after here")
+    _add_model_args(cal)
+    cal.set_defaults(func=cmd_calibrate)
+
+    pr = sub.add_parser("profile", help="measure the whole-step cost of decoding on this machine over a grid of "
+                                        "(requests, verified tokens) for the dspark schedulers")
+    pr.add_argument("--drafter", default="dspark", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    pr.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    pr.add_argument("--context-len", type=int, default=256)
+    pr.add_argument("--warmup", type=int, default=2)
+    pr.add_argument("--reps", type=int, default=5)
+    pr.add_argument("--out", default=None, help="profile JSON (default: this setup's cache file, used automatically)")
+    pr.add_argument("--plot", default=None, help="write a PNG of the profile")
+    _add_model_args(pr)
+    pr.set_defaults(func=cmd_profile)
     r = sub.add_parser("regenerate", help="answer prompts with the target (drafter training data)")
     r.add_argument("prompts", nargs="+", help="JSONL files or Hugging Face datasets on disk (save_to_disk folder, "
                    ".parquet, .arrow) of rows with turns, conversations, messages or prompt")

@@ -77,6 +77,8 @@ def survival_for(drafter: Drafter, block: DraftBlock, sampling: BatchSampling, t
     from dspark.calibration.signals import block_signals
 
     signals = block_signals(block, sampling.greedy)
+    if signals.shape[1] == 0:  # no row drafted anything (e.g. no n-gram match)
+        return torch.zeros(signals.shape[0], 0)
     calibration = getattr(drafter, "calibration", None)
     if calibration is None:
         return default_map(block.confidences is not None, signals.shape[1]).survival(signals, block.lengths.cpu())

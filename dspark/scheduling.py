@@ -114,6 +114,18 @@ class CostModel:
         scale = np.array([self._cell_scale.get(("d", b, int(i)), self._global_scale) for i in np.atleast_1d(idx)])
         return base * scale.reshape(base.shape)
 
+    def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
+        """The largest query-token count that costs the same as each entry of `tokens` (its profiled cell's
+        size; the count itself past the table, where every token costs)."""
+        b, factor = self._row_for(batch)
+        ns, _ = self._rows[b]
+        n = np.asarray(tokens, dtype=np.float64)
+        idx = np.searchsorted(ns, n / factor)
+        out = n.copy()
+        inside = idx < len(ns)
+        out[inside] = np.floor(ns[idx[inside]] * factor)
+        return np.maximum(out, n).astype(np.int64)
+
     def cost(self, batch: int, tokens: int) -> float:
         """Seconds of a drafted step with `batch` requests and `tokens` query tokens."""
         return float(self.cost_many(batch, np.array([tokens]))[0])
@@ -242,11 +254,10 @@ def admission_order(survival, limits: Sequence[int]) -> tuple[np.ndarray, np.nda
 
 
 def _path(survival, limits, cost: CostModel, token_budget: int | None):
-    """Admission path: rows, per-step expected committed tokens and throughput Θ_j for j = 0..M admitted."""
+    """Admission path: rows, positions, survivals, tokens N_j, seconds and cost-cell ids for j = 0..M admitted."""
     lim = _as_numpy(limits, np.int64)
     num = len(lim)
     rows, pos, vals = admission_order(survival, lim)
-    tau = num + np.concatenate([[0.0], np.cumsum(vals)])
     if cost.layout == "ragged":
         tokens = num + np.arange(len(rows) + 1)
     else:
@@ -254,29 +265,63 @@ def _path(survival, limits, cost: CostModel, token_budget: int | None):
     if token_budget is not None:
         fits = tokens <= max(token_budget, num)
         stop = len(fits) if fits.all() else int(np.argmin(fits))
-        rows, tau, tokens = rows[: max(0, stop - 1)], tau[:stop], tokens[:stop]
-    theta = tau / cost.cost_many(num, tokens)
-    return rows, tau, theta
+        rows, pos, vals, tokens = rows[: max(0, stop - 1)], pos[: max(0, stop - 1)], vals[: max(0, stop - 1)], tokens[:stop]
+    seconds = cost.cost_many(num, tokens)
+    return rows, pos, vals, tokens, seconds
 
 
 def _lengths_from(rows: np.ndarray, count: int, num: int) -> np.ndarray:
     return np.bincount(rows[:count], minlength=num).astype(np.int64)
 
 
+def _plateau_room(lim: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, cost: CostModel) -> np.ndarray:
+    """room[j]: how many drafts a step can hold at the cost of path step j, counted from what the limits
+    allow (never from later candidates, whose survivals may depend on earlier drafts)."""
+    num = len(lim)
+    if cost.layout == "ragged":
+        ends = cost.cell_end_many(num, tokens)
+        return np.minimum(ends, num + lim.sum()) - num
+    # padded: every row may grow to the widest width whose step costs the same
+    widths = np.arange(int(lim.max(initial=0)) + 1)
+    width_cost = cost.cost_many(num, num * (1 + widths))
+    room_at_width = np.array([np.minimum(lim, widths[width_cost == c].max()).sum() for c in width_cost])
+    return room_at_width[tokens // num - 1]
+
+
+def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: np.ndarray, cost: CostModel) -> int:
+    """How many candidates of the path Algorithm 1 admits (see prefix_schedule)."""
+    num = len(lim)
+    tau = num + np.concatenate([[0.0], np.cumsum(vals)])
+    theta = tau / seconds
+    if len(theta) <= 1:
+        return 0
+    best_before = np.maximum.accumulate(theta)[:-1]  # Θ_best while considering candidate j (1-based)
+    crossing = seconds[1:] != seconds[:-1]
+    room = _plateau_room(lim, tokens[1:], seconds[1:], cost) - np.arange(len(vals))  # slots left from j on
+    upper = (tau[:-1] + np.maximum(room, 1) * vals) / seconds[1:]  # later candidates survive at most vals[j]
+    falls = np.nonzero(crossing & (upper <= best_before))[0]
+    return int(falls[0]) if len(falls) else len(vals)
+
+
 def prefix_schedule(survival, limits: Sequence[int], cost: CostModel,
                     token_budget: int | None = None) -> tuple[np.ndarray, float]:
-    """Algorithm 1 (DSpark): admit candidates in decreasing survival while Θ = E[committed] / cost rises.
+    """Algorithm 1 (DSpark): admit candidates in decreasing survival while the step's expected throughput
+    Θ = E[committed tokens] / cost can still rise; stop at the first candidate that cannot raise it.
 
-    Stops at the first admission with Θ ≤ Θ_best, so the cut reads nothing past it (lossless). Returns the
+    On a smooth curve this is the paper's rule (stop at the first Θ ≤ Θ_best). On a stepped curve (CUDA-graph
+    sizes, or dspark's padded batch where a wider row costs a whole column) a candidate that opens a
+    costlier cell is admitted when filling that cell could beat Θ_best, bounding every later candidate's
+    survival by its own (the order is decreasing), and candidates inside an already-paid cell are free.
+    Either way the cut at candidate j reads candidates 1..j only and the limits, never a later one: every
+    request's admitted set is a prefix decided before its next draft is looked at (lossless). Returns the
     per-request lengths and the expected Θ (tokens per second) of the chosen step.
     """
-    num = len(limits)
-    rows, _, theta = _path(survival, limits, cost, token_budget)
-    if len(theta) <= 1:
-        return np.zeros(num, dtype=np.int64), float(theta[0]) if len(theta) else 0.0
-    falls = np.nonzero(theta[1:] <= np.maximum.accumulate(theta)[:-1])[0]
-    count = int(falls[0]) if len(falls) else len(theta) - 1
-    return _lengths_from(rows, count, num), float(theta[count])
+    lim = _as_numpy(limits, np.int64)
+    num = len(lim)
+    rows, _, vals, tokens, seconds = _path(survival, lim, cost, token_budget)
+    count = _prefix_cut(vals, tokens, seconds, lim, cost)
+    tau = num + vals[:count].sum()
+    return _lengths_from(rows, count, num), float(tau / seconds[count])
 
 
 def best_capacity(survival, limits: Sequence[int], cost: CostModel, token_budget: int | None = None) -> tuple[int, float]:
@@ -285,9 +330,11 @@ def best_capacity(survival, limits: Sequence[int], cost: CostModel, token_budget
     It reads the whole path, so it must only be applied to survivals of steps already finished
     (`dspark-async` uses those of two steps before); on the current block it would anticipate.
     """
-    _, _, theta = _path(survival, limits, cost, token_budget)
-    best = int(np.argmax(theta)) if len(theta) else 0
-    return best, float(theta[best]) if len(theta) else 0.0
+    lim = _as_numpy(limits, np.int64)
+    _, _, vals, _, seconds = _path(survival, lim, cost, token_budget)
+    theta = (len(lim) + np.concatenate([[0.0], np.cumsum(vals)])) / seconds
+    best = int(np.argmax(theta))
+    return best, float(theta[best])
 
 
 def top_capacity(survival, limits: Sequence[int], capacity: int, cost: CostModel | None = None,
@@ -295,8 +342,8 @@ def top_capacity(survival, limits: Sequence[int], capacity: int, cost: CostModel
     """Admit the first `capacity` candidates of the admission order (a capacity fixed before the step)."""
     lim = _as_numpy(limits, np.int64)
     if cost is not None and token_budget is not None:
-        rows, _, theta = _path(survival, lim, cost, token_budget)
-        capacity = min(capacity, len(theta) - 1)
+        rows, *_ = _path(survival, lim, cost, token_budget)
+        capacity = min(capacity, len(rows))
     else:
         rows, _, _ = admission_order(survival, lim)
     return _lengths_from(rows, max(0, int(capacity)), len(lim))
@@ -330,9 +377,10 @@ class Scheduler:
     """A named policy plus its state. The decoding loop calls `wants_drafts` before drafting, then `plan`.
 
     name: "none" | "fixed:K" | "threshold:θ" | "batch-table[:B=K,...]" | "dspark" | "dspark-async".
-    Adaptive policies ("dspark", "dspark-async") skip drafting when even their best schedule is expected
-    slower than plain decoding, for a back-off of 4 steps that grows fourfold while drafting keeps not
-    paying (up to `max_backoff`), then probe again: over n steps that never pay, about log4(n) probes.
+    Adaptive policies ("dspark", "dspark-async") skip drafting when their best schedules are expected
+    slower than plain decoding (smoothed over steps), for a back-off of 4 steps that grows fourfold while
+    drafting keeps not paying (up to `max_backoff`), then probe again: over n steps that never pay, about
+    log4(n) probes.
     """
 
     def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
@@ -342,6 +390,8 @@ class Scheduler:
         self.max_backoff = max_backoff
         self._skip = 0
         self._backoff = 4
+        self._gain: float | None = None
+        self._probing = False
         self._history: deque[dict[int, np.ndarray]] = deque(maxlen=2)
         self.drafted_steps = 0
         self.skipped_steps = 0
@@ -406,12 +456,23 @@ class Scheduler:
         return StepPlan(lengths.tolist(), theta, capacity)
 
     def _after_plan(self, theta: float, plain_seconds: float, num: int) -> None:
-        """Back off from drafting when its best expected Θ is below plain decoding's."""
+        """Back off from drafting while the expected gain of drafting over plain decoding is negative.
+
+        The gain is log(Θ_best / Θ_plain), smoothed over drafted steps (weight 0.3) so one hard round does
+        not stop drafting; the first step after a pause (a probe) replaces the smoothed value.
+        """
         if not self.adaptive:
             return
-        if theta < num / plain_seconds:
+        gain = math.log(max(theta, 1e-12) * plain_seconds / num)
+        if self._gain is None or self._probing:
+            self._gain = gain
+        else:
+            self._gain += 0.3 * (gain - self._gain)
+        self._probing = False
+        if self._gain < 0:
             self._skip = self._backoff
             self._backoff = min(self.max_backoff, self._backoff * 4)
+            self._probing = True
         else:
             self._backoff = 4
 

@@ -13,7 +13,7 @@ def test_generate_cli_statistics_line():
         capture_output=True, text=True, check=True,
     ).stdout
     last = out.strip().splitlines()[-1]
-    m = re.fullmatch(r"tokens=(\d+) rounds=(\d+) tau=([\d.]+) tok/s=([\d.]+) drafter=ngram finish=(stop|length)", last)
+    m = re.fullmatch(r"tokens=(\d+) rounds=(\d+) tau=([\d.]+) tok/s=([\d.]+) drafter=ngram scheduler=fixed finish=(stop|length)", last)
     assert m, last
     tokens, rounds = int(m[1]), int(m[2])
     assert 0 < tokens <= 24 and 0 < rounds <= tokens

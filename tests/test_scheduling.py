@@ -186,7 +186,7 @@ def test_online_correction_changes_the_schedule_within_bounded_steps():
         n = step_tokens(np.array(lengths), "padded")
         cost.observe(4, n, 4.0 * cost._base_many(4, np.array([n]))[0][0], drafted=True)  # injected clock
         cost.observe(4, 4, cost.plain[4], drafted=False)
-        s._backoff, s._skip = 4, 0
+        s._backoff, s._skip, s._gain = 4, 0, None
         s.plan(a, [7] * 4, cost)
         if s._skip > 0:
             changed_at = step

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
+from dspark.atomic import write_text_atomic
 from dspark.calibration.signals import CONF_LOGIT, ENTROPY, MAX_Q
 
 FORMAT = "dspark-calibration"
@@ -344,21 +342,7 @@ class Calibration:
 
     def to_json(self, path: str | Path) -> Path:
         """Write the calibration atomically (temporary file in the same folder, then os.replace)."""
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, out)
-        except BaseException:
-            with suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        return out
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> Calibration:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch import nn
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.dflash_model import DFlashBackbone, DFlashConfig

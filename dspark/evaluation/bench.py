@@ -10,14 +10,15 @@ import math
 import resource
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from dspark.api import BUNDLED_DRAFTERS, encode_prompt, load_drafter, load_target
-from dspark.decoding import decode
+from dspark.api import BUNDLED_DRAFTERS, encode_prompt, load_drafter, load_target, step_cost_model
+from dspark.decoding import decode, drafter_gamma
 from dspark.evaluation.metrics import acceptance_stats, tau_standard_error
 from dspark.sampling import SamplingParams
+from dspark.scheduling import Scheduler
+from dspark.atomic import write_text_atomic
 from dspark.zoo import bundled_drafter_path, eval_prompts_path
 
 
@@ -75,17 +76,32 @@ def run_bench(
     json_path: str | None = None,
     seed: int = 0,
     plot_path: str | None = None,
+    schedulers: list[str] | None = None,
+    profile: str | None = None,
 ) -> dict:
-    """Benchmark drafters; print a table and return (and optionally write) the results as a dict."""
+    """Benchmark drafters (each under every scheduler given; default "fixed": the whole block verified);
+    print a table and return (and optionally write) the results as a dict. An arm is named
+    "drafter" under the default scheduler, else "drafter@scheduler"."""
     if drafters is None:
         drafters = ["none", "ngram"] + [n for n in BUNDLED_DRAFTERS if (bundled_drafter_path(n) / "config.json").exists()]
     if "none" not in drafters:
         drafters = ["none"] + list(drafters)
+    schedulers = list(schedulers or ["fixed"])
     target = load_target(target_path, dtype, device)
-    loaded = {name: load_drafter(name, target, gamma, bias_candidates) for name in drafters}
+    by_drafter = {name: load_drafter(name, target, gamma, bias_candidates) for name in drafters}
+    arms: dict[str, tuple] = {"none": (by_drafter["none"], "fixed", None)}
+    for name in drafters:
+        if name == "none":
+            continue
+        for spec in schedulers:
+            sched = Scheduler(spec, drafter_gamma(by_drafter[name]))  # a bad name fails before any run
+            cost = step_cost_model(target, by_drafter[name], 1, profile) if sched.needs_cost else None
+            arms[name if spec == "fixed" else f"{name}@{spec}"] = (by_drafter[name], spec, cost)
+    loaded = {arm: d for arm, (d, _, _) in arms.items()}
     warm = encode_prompt(target, "def f(x):")
-    for d in loaded.values():
-        decode(target, d, [warm], SamplingParams(), 8)
+    for d, spec, cost in arms.values():
+        decode(target, d, [warm], SamplingParams(), 8, scheduler=spec, cost_model=cost)
+    drafters = list(arms)
     results: dict = {"command": " ".join(["dspark"] + sys.argv[1:]), "dtype": dtype, "device": device,
                      "max_new_tokens": max_new_tokens, "runs": []}
     for temp in temperatures:
@@ -98,7 +114,9 @@ def run_bench(
                 for name in order:
                     params = SamplingParams(temperature=temp, seed=seed + i)
                     t0 = time.perf_counter()
-                    (res,) = decode(target, loaded[name], [ids], params, max_new_tokens)
+                    _, spec, cost = arms[name]
+                    (res,) = decode(target, loaded[name], [ids], params, max_new_tokens, scheduler=spec,
+                                    cost_model=cost)
                     seconds[name] += time.perf_counter() - t0
                     outs[name].append(res)
             base_tps = sum(len(r.token_ids) for r in outs["none"]) / seconds["none"]
@@ -110,7 +128,8 @@ def run_bench(
                 prompt_rounds = [len(r.rounds) for r in outs[name]]
                 row = {
                     "temperature": temp, "domain": domain, "drafter": name, "prompts": len(prompts),
-                    "tokens": tokens, "rounds": stats.rounds, "tau": stats.tau,
+                    "scheduler": arms[name][1], "tokens": tokens, "rounds": stats.rounds, "tau": stats.tau,
+                    "verified_per_round": sum(s.draft_len for r in outs[name] for s in r.rounds) / max(1, stats.rounds),
                     "tau_se": _finite_or_none(tau_standard_error(prompt_tokens, prompt_rounds)),
                     "prompt_tokens": prompt_tokens, "prompt_rounds": prompt_rounds, "histogram": stats.histogram,
                     "conditional_acceptance": stats.conditional, "cumulative_acceptance": stats.cumulative,
@@ -138,7 +157,7 @@ def run_bench(
     for m in results["macro"]:
         print(f"T={m['temperature']:<4} {m['drafter']:<14} tau={m['tau']:.2f}±{_se(m['tau_se'])} speedup={m['speedup']:.2f}x")
     if json_path:
-        Path(json_path).write_text(json.dumps(results, indent=1))
+        write_text_atomic(json_path, json.dumps(results, indent=1))
     if plot_path:
         plot_acceptance(results, plot_path)
     return results
