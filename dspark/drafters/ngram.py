@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.sampling import BatchSampling
 
