@@ -420,10 +420,10 @@ def test_map_from_dict_round_trips_every_kind() -> None:
 
 def test_round_records_save_and_load(tmp_path) -> None:
     records = head_records(n=100)
-    path = records.save(tmp_path / "rounds.pt")
+    path = records.save(tmp_path / "rounds.safetensors")
     loaded = RoundRecords.load(path)
     assert torch.equal(loaded.signals.nan_to_num(-9), records.signals.nan_to_num(-9))
     assert torch.equal(loaded.accepted, records.accepted) and loaded.domain == records.domain
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(ValueError, match="rounds.pt"):
+    with pytest.raises(ValueError, match="rounds.safetensors"):
         RoundRecords.load(path)

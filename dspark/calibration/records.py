@@ -7,14 +7,17 @@ drafts 1..k−1 survived, draft k survived iff accepted ≥ k (conditional).
 """
 from __future__ import annotations
 
-import os
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
+from dspark.atomic import write_bytes_atomic
 from dspark.calibration.signals import NUM_SIGNALS
+
+RECORDS_FORMAT = "dspark-round-records"
 
 
 @dataclass
@@ -84,35 +87,40 @@ class RoundRecords:
                    [d for p in parts for d in p.domain])
 
     def save(self, path: str | Path) -> Path:
-        """Write the rounds to a torch file atomically (temporary file, then os.replace)."""
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        torch.save({"format": "dspark-round-records", "version": 1, "signals": self.signals.cpu(),
-                    "available": self.available.cpu(), "accepted": self.accepted.cpu(),
-                    "greedy": self.greedy.cpu(), "domain": list(self.domain)}, tmp)
-        os.replace(tmp, out)
-        return out
+        """Write the rounds as safetensors (the domain labels in its metadata), atomically."""
+        from safetensors.torch import save
+
+        tensors = {"signals": self.signals.float().cpu().contiguous(), "available": self.available.long().cpu(),
+                   "accepted": self.accepted.long().cpu(), "greedy": self.greedy.to(torch.uint8).cpu()}
+        meta = {"format": RECORDS_FORMAT, "version": "1", "domain": json.dumps(list(self.domain))}
+        return write_bytes_atomic(path, save(tensors, metadata=meta))
 
     @classmethod
     def load(cls, path: str | Path) -> RoundRecords:
-        """Read rounds written by `save`; a missing or malformed file raises ValueError naming it."""
+        """Read rounds written by `save`; a missing, truncated or malformed file raises ValueError naming it."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"round records file {p} does not exist")
+        raw = p.read_bytes()
         try:
-            data = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unpickling failure means a corrupt file
-            raise ValueError(f"round records file {p} cannot be read (truncated or not a records file): {err}") \
-                from None
-        if not isinstance(data, dict) or data.get("format") != "dspark-round-records":
-            raise ValueError(f"round records file {p} is not a dspark round records file (field 'format')")
-        missing = [k for k in ("signals", "available", "accepted", "greedy", "domain") if k not in data]
-        if missing:
-            raise ValueError(f"round records file {p} lacks field(s) {missing}")
+            tensors = load(raw)
+            header_len = int.from_bytes(raw[:8], "little")
+            meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {})
+        except (SafetensorError, ValueError, json.JSONDecodeError) as err:
+            raise ValueError(f"round records file {p} cannot be read (truncated or not safetensors): {err}") from None
+        if meta.get("format") != RECORDS_FORMAT:
+            raise ValueError(f"round records file {p} is not a dspark round records file (field 'format' is "
+                             f"{meta.get('format')!r})")
+        missing = [k for k in ("signals", "available", "accepted", "greedy") if k not in tensors]
+        if missing or "domain" not in meta:
+            raise ValueError(f"round records file {p} lacks field(s) {missing or ['domain']}")
         try:
-            return cls(data["signals"], data["available"], data["accepted"], data["greedy"], list(data["domain"]))
-        except (ValueError, TypeError, AttributeError) as err:
+            return cls(tensors["signals"], tensors["available"], tensors["accepted"], tensors["greedy"].bool(),
+                       list(json.loads(meta["domain"])))
+        except (ValueError, TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"round records file {p} is malformed: {err}") from None
 
 
