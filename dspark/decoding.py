@@ -71,14 +71,18 @@ def drafter_gamma(drafter: Drafter) -> int:
     return int(getattr(drafter, "max_drafts", None) or getattr(drafter, "gamma", 0) or 0)
 
 
-def survival_for(drafter: Drafter, block: DraftBlock, sampling: BatchSampling, temperatures: list[float]):
-    """Calibrated survival a [R, γ] of a block: the drafter's calibration (or the default map) on its signals."""
+def survival_for(drafter: Drafter, block: DraftBlock, sampling: BatchSampling, temperatures: list[float],
+                 signals: torch.Tensor | None = None, online=None):
+    """Calibrated survival a [R, γ] of a block: the online calibrator, else the drafter's calibration (or the
+    default map), on the block's signals."""
     from dspark.calibration.maps import default_map
     from dspark.calibration.signals import block_signals
 
-    signals = block_signals(block, sampling.greedy)
+    signals = block_signals(block, sampling.greedy) if signals is None else signals
     if signals.shape[1] == 0:  # no row drafted anything (e.g. no n-gram match)
         return torch.zeros(signals.shape[0], 0)
+    if online is not None:
+        return online.survival(signals, block.lengths.cpu(), temperatures)
     calibration = getattr(drafter, "calibration", None)
     if calibration is None:
         return default_map(block.confidences is not None, signals.shape[1]).survival(signals, block.lengths.cpu())
@@ -120,6 +124,7 @@ def decode(
     record_signals: bool = False,
     on_step: StepCallback | None = None,
     online_cost: bool = True,
+    online_calibration=None,
 ) -> list[GenerationResult]:
     """Generate continuations of token-id prompts with speculative decoding; return one result each.
 
@@ -129,7 +134,8 @@ def decode(
     the last two need `cost_model`. draft_limits[i] caps request i's verified drafts (0: no speculation).
     token_budget caps the query tokens of a step. record_signals keeps each round's survival signals in
     its RoundStats (calibration and scheduler traces); on_step(StepInfo) is called after every step, whose
-    measured time also corrects `cost_model` online unless online_cost is False.
+    measured time also corrects `cost_model` online unless online_cost is False. online_calibration (an
+    `OnlineCalibrator`) supplies the survival estimates and learns from every verified prefix.
     """
     _check_inputs(target, prompts, max_new_tokens)
     gamma = drafter_gamma(drafter)
@@ -176,14 +182,15 @@ def decode(
         available = block.lengths.tolist()
         plan_theta = plan_capacity = None
         signals = None
-        if record_signals and drafted:
+        if (record_signals or online_calibration is not None) and drafted:
             from dspark.calibration.signals import block_signals
 
             signals = block_signals(block, batch_params.greedy)
         if drafted and sched.kind not in ("fixed", "none"):
             survival = None
             if sched.needs_survival:
-                survival = survival_for(drafter, block, batch_params, [params[i].temperature for i in active])
+                survival = survival_for(drafter, block, batch_params, [params[i].temperature for i in active],
+                                        signals, online_calibration)
             plan = sched.plan(survival, available, cost_model, token_budget, active)
             block = block.truncate(plan.lengths)
             plan_theta, plan_capacity = plan.expected_throughput, plan.capacity
@@ -204,6 +211,11 @@ def decode(
         # Keep the anchor and the accepted drafts in the target cache; the new token is the next anchor.
         target.truncate(base_len + 1 + torch.tensor(res.accepted, device=device))
         drafter.observe(RoundOutcome(committed=res.tokens, accepted=res.accepted, features=out.features))
+        if online_calibration is not None and signals is not None:
+            for r, i in enumerate(active):  # the verified prefix labels positions 1..ℓ (admission read signals only)
+                if lens[r] > 0:
+                    online_calibration.observe(signals[r, : lens[r]], lens[r], res.accepted[r], params[i].greedy,
+                                               request_id=i, temperature=params[i].temperature)
         seconds = time.perf_counter() - step_start
         tokens_in_step = step_tokens(lens, layout)
         if cost_model is not None and online_cost:
@@ -217,7 +229,7 @@ def decode(
             new = res.tokens[r][:room]
             results[i].token_ids.extend(new)
             seqs[i].extend(new)
-            sig = signals[r, : available[r]].tolist() if signals is not None else None
+            sig = signals[r, : available[r]].tolist() if record_signals and signals is not None else None
             results[i].rounds.append(RoundStats(lens[r], res.accepted[r], available[r], sig))
             if on_tokens is not None and new:
                 on_tokens(i, new)

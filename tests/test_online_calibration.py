@@ -315,3 +315,21 @@ def test_constant_prior_and_bad_settings() -> None:
                 {"window": 0}, {"refit_every": 0}):
         with pytest.raises(ValueError):
             OnlineCalibrator(PRIOR, GAMMA, **bad)
+
+
+def test_decode_feeds_the_online_calibrator_and_uses_it(qwen3_target):
+    """The decoding loop learns from every verified prefix and schedules with the corrected survival."""
+    from dspark.calibration.maps import ConstantMap
+    from dspark.calibration.online import OnlineCalibrator
+    from dspark.decoding import decode
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.sampling import SamplingParams
+
+    online = OnlineCalibrator(ConstantMap([0.9] * 4), 4, refit_every=5, min_rounds=5)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5, 6, 5, 6]]
+    ref = decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 40)
+    out = decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 40, scheduler="threshold:0.5",
+                 online_calibration=online)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    rounds = sum(1 for r in out for s in r.rounds if s.draft_len > 0)
+    assert rounds > 0 and online.counts["observed"] == rounds and not online.rejected
