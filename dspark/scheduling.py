@@ -57,7 +57,7 @@ class CostModel:
     #: weight of a new measurement in the online correction (exponential forgetting of log-ratios)
     alpha: float = 0.25
     _cell_scale: dict[tuple, float] = field(default_factory=dict, repr=False)
-    _global_scale: float = field(default=1.0, repr=False)
+    _kind_scale: dict[str, float] = field(default_factory=lambda: {"d": 1.0, "p": 1.0}, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -109,9 +109,9 @@ class CostModel:
         """Seconds of drafted steps with `batch` requests for each entry of `tokens` (vectorised)."""
         base, idx = self._base_many(batch, tokens)
         if not self._cell_scale:
-            return base * self._global_scale
+            return base * self._kind_scale["d"]
         b, _ = self._row_for(batch)
-        scale = np.array([self._cell_scale.get(("d", b, int(i)), self._global_scale) for i in np.atleast_1d(idx)])
+        scale = np.array([self._cell_scale.get(("d", b, int(i)), self._kind_scale["d"]) for i in np.atleast_1d(idx)])
         return base * scale.reshape(base.shape)
 
     def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
@@ -140,14 +140,14 @@ class CostModel:
     def plain_cost(self, batch: int) -> float:
         """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
         b, factor = self._plain_key(batch)
-        return self.plain[b] * factor * self._cell_scale.get(("p", b), self._global_scale)
+        return self.plain[b] * factor * self._cell_scale.get(("p", b), self._kind_scale["p"])
 
     # -- online correction ----------------------------------------------------------------------------
     def observe(self, batch: int, tokens: int, seconds: float, drafted: bool) -> None:
         """Fold a measured step time into the model: the cell's scale moves towards measured / table.
 
         Each cell keeps an exponentially forgetting mean of log(measured / table); cells not yet measured
-        use the mean over all measurements. A ratio is clamped to [1/20, 20] so one stall cannot swing the
+        use the mean over all measurements of their kind (drafted or plain steps). A ratio is clamped to [1/20, 20] so one stall cannot swing the
         model; after a lasting change the scale is within 5% of it after about ten steps of that cell.
         """
         if not (math.isfinite(seconds) and seconds > 0):
@@ -160,10 +160,11 @@ class CostModel:
             b, factor = self._plain_key(batch)
             key, table = ("p", b), self.plain[b] * factor
         log_ratio = math.log(min(20.0, max(0.05, seconds / table)))
-        old = math.log(self._cell_scale.get(key, self._global_scale))
+        kind = key[0]
+        old = math.log(self._cell_scale.get(key, self._kind_scale[kind]))
         self._cell_scale[key] = math.exp(old + self.alpha * (log_ratio - old))
-        g = math.log(self._global_scale)
-        self._global_scale = math.exp(g + self.alpha * (log_ratio - g))
+        g = math.log(self._kind_scale[kind])
+        self._kind_scale[kind] = math.exp(g + self.alpha * (log_ratio - g))
 
     # -- (de)serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -379,8 +380,9 @@ class Scheduler:
     name: "none" | "fixed:K" | "threshold:θ" | "batch-table[:B=K,...]" | "dspark" | "dspark-async".
     Adaptive policies ("dspark", "dspark-async") skip drafting when their best schedules are expected
     slower than plain decoding (smoothed over steps), for a back-off of 4 steps that grows fourfold while
-    drafting keeps not paying (up to `max_backoff`), then probe again: over n steps that never pay, about
-    log4(n) probes.
+    drafting keeps not paying (up to `max_backoff`), then probe again. A probe is skipped too while
+    Algorithm 1 on the last drafted step's mean survivals still predicts no gain at the current batch size
+    and costs, so a batch where drafting never pays probes once per `max_backoff` steps.
     """
 
     def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
@@ -392,6 +394,9 @@ class Scheduler:
         self._backoff = 4
         self._gain: float | None = None
         self._probing = False
+        self._since_probe = 0
+        self._last_cost: CostModel | None = None
+        self._last_mean: np.ndarray | None = None
         self._history: deque[dict[int, np.ndarray]] = deque(maxlen=2)
         self.drafted_steps = 0
         self.skipped_steps = 0
@@ -419,8 +424,27 @@ class Scheduler:
             self._skip -= 1
             self.skipped_steps += 1
             return False
+        if self._probing and self._since_probe < self.max_backoff and not self._predicted_to_pay(num_rows):
+            # the last drafted step's survivals still say drafting cannot pay at this batch size under the
+            # current (online-corrected) costs: keep skipping without paying for a probe
+            self._since_probe += self._backoff
+            self._skip = self._backoff - 1
+            self._backoff = min(self.max_backoff, self._backoff * 4)
+            self.skipped_steps += 1
+            return False
+        self._since_probe = 0
         self.drafted_steps += 1
         return True
+
+    def _predicted_to_pay(self, num_rows: int) -> bool:
+        """Whether Algorithm 1 on the mean survival row of the last drafted step, repeated for `num_rows`
+        requests, beats plain decoding (survivals of finished steps only: non-anticipating)."""
+        if self._last_cost is None or self._last_mean is None:
+            return True
+        a = np.repeat(self._last_mean[None, :], num_rows, axis=0)
+        limits = np.full(num_rows, a.shape[1])
+        _, theta = prefix_schedule(a, limits, self._last_cost)
+        return theta >= num_rows / self._last_cost.plain_cost(num_rows)
 
     def plan(self, survival, limits: Sequence[int], cost: CostModel | None = None, token_budget: int | None = None,
              request_ids: Sequence[int] | None = None) -> StepPlan:
@@ -452,6 +476,7 @@ class Scheduler:
             old = np.stack([stale.get(i, fallback) for i in ids])
             capacity, theta = best_capacity(old, lim, cost, token_budget)
             lengths = top_capacity(a, lim, capacity, cost, token_budget)
+        self._last_cost, self._last_mean = cost, a.mean(0) if len(a) else None
         self._after_plan(theta, cost.plain_cost(num), num)
         return StepPlan(lengths.tolist(), theta, capacity)
 
