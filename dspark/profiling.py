@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.atomic import write_text_atomic
+from dspark.atomic import read_json, write_text_atomic
 from dspark.decoding import StepInfo, decode, drafter_gamma
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.sampling import SamplingParams
@@ -400,16 +400,7 @@ def load_profile(path: str | Path, expect: dict | None = None) -> StepProfile:
     differing field with both values.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ValueError(f"{path}: cannot read the step profile ({err.strerror or err})") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not a text file ({err}); the step profile is corrupt") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); the step profile is truncated or corrupt") from None
+    data = read_json(path, "step profile")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")  # noqa: TRY004 (a bad file)
     if data.get("format") != FORMAT:

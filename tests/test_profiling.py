@@ -116,7 +116,7 @@ def test_bad_files_fail_naming_file_and_field(profiles, tmp_path):
     truncated = tmp_path / "truncated.json"
     text = json.dumps(good)
     truncated.write_text(text[: len(text) // 2])
-    with pytest.raises(ValueError, match=r"truncated\.json.*truncated or corrupt"):
+    with pytest.raises(ValueError, match=r"truncated\.json.*truncated or malformed"):
         load_profile(truncated)
 
     garbage = tmp_path / "garbage.json"
@@ -180,7 +180,7 @@ def test_load_or_profile_reuses_matching_and_reprofiles_mismatch(qwen3_target, t
     assert load_profile(path, fingerprint_for(qwen3_target, drafter, "ngram", 24)).fingerprint["torch"] == torch.__version__
 
     path.write_text("{")
-    with pytest.raises(ValueError, match="truncated or corrupt"):
+    with pytest.raises(ValueError, match="truncated or malformed"):
         load_or_profile(qwen3_target, drafter, "ngram", (1,), path=path, reprofile=False, **FAST)
     load_or_profile(qwen3_target, drafter, "ngram", (1,), path=path, **FAST)
     assert calls == [[1], [2], [1], [1]]

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dspark.atomic import write_text_atomic
+from dspark.atomic import read_json, write_text_atomic
 from dspark.calibration.signals import CONF_LOGIT, ENTROPY, MAX_Q
 
 FORMAT = "dspark-calibration"
@@ -392,18 +392,7 @@ class Calibration:
         ValueError naming the file and the field (and both values on a mismatch).
         """
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ValueError(f"calibration file {p} does not exist") from None
-        except UnicodeDecodeError as err:
-            raise ValueError(f"calibration file {p} is not UTF-8 text (corrupt?): {err}") from None
-        except OSError as err:
-            raise ValueError(f"calibration file {p} cannot be read: {err}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"calibration file {p} is not valid JSON (truncated or malformed): {err}") from None
+        data = read_json(p, "calibration file")
         cal = cls.from_dict(data, source=str(p))
         for name, expected in (("drafter", expect_drafter), ("target", expect_target)):
             found = getattr(cal, name)

@@ -640,6 +640,11 @@ def plot_threshold_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, ti
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, title="dashed: dspark", title_fontsize=8)
+    return _save_figure(plt, fig, path, title)
+
+
+def _save_figure(plt, fig, path: str | Path, title: str) -> Path:
+    """Title, lay out, write the PNG (creating its folder) and close the figure."""
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -670,11 +675,4 @@ def plot_concurrency_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, 
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save_figure(plt, fig, path, title)
