@@ -112,11 +112,16 @@ def _module_shapes(module: torch.nn.Module) -> list:
     return [[name, list(p.shape), str(p.dtype)] for name, p in module.named_parameters()]
 
 
+_NOT_SETUP = {"calibration"}  # attached survival estimates do not change what a step costs
+
+
 def _drafter_description(drafter: Drafter) -> dict:
     """What a drafter is, as hashable data: class, scalar settings, config and parameter shapes."""
     desc: dict = {"class": type(drafter).__name__, "gamma": drafter_gamma(drafter)}
     for key, value in sorted(vars(drafter).items()):
-        if not key.startswith("_") and (value is None or isinstance(value, (bool, int, float, str))):
+        if key in _NOT_SETUP or key.startswith("_"):
+            continue
+        if value is None or isinstance(value, (bool, int, float, str)):
             desc[key] = value
     cfg = getattr(drafter, "cfg", None)
     if is_dataclass(cfg):

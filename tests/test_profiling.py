@@ -200,3 +200,16 @@ def test_default_profile_path(profiles, monkeypatch, tmp_path):
 def test_plot_writes_png(profiles, tmp_path):
     out = plot_profile(profiles["draft-model"], tmp_path / "plots" / "profile.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attached_calibration_does_not_change_the_fingerprint(qwen3_target):
+    from dspark.calibration.maps import Calibration, ConstantMap
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.profiling import fingerprint_for
+
+    plain = NgramDrafter(gamma=3)
+    plain.calibration = None
+    calibrated = NgramDrafter(gamma=3)
+    calibrated.calibration = Calibration({0.0: ConstantMap([0.5] * 3)})
+    assert fingerprint_for(qwen3_target, plain, "ngram") == fingerprint_for(qwen3_target, calibrated, "ngram")
+    assert fingerprint_for(qwen3_target, NgramDrafter(gamma=2), "ngram") != fingerprint_for(qwen3_target, plain, "ngram")
