@@ -155,9 +155,12 @@ def _load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None 
 
 
 def step_cost_model(target: CausalLM, drafter: Drafter, max_batch: int, profile: str | Path | None = None,
-                    reprofile: bool = True) -> CostModel:
+                    reprofile: bool | None = None) -> CostModel:
     """This setup's step-cost model for batches up to `max_batch`: from `profile` (or the cache), checked
-    against the setup's fingerprint, re-measured when missing or mismatched (unless reprofile is False)."""
+    against the setup's fingerprint. The cache is re-measured when missing or mismatched; a profile file
+    given explicitly that was measured on another setup is refused naming the field (reprofile None)."""
+    if reprofile is None:
+        reprofile = profile is None
     from dspark.profiling import load_or_profile
 
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]

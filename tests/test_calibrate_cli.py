@@ -74,3 +74,19 @@ def test_generate_cli_scheduler_and_bad_names():
     assert re.search(r"tau=([\d.]+)", ok.stdout)
     bad = run("--drafter", "ngram", "--scheduler", "threshold:2")
     assert bad.returncode == 2 and "θ in (0, 1], got 2.0" in bad.stderr
+
+
+def test_an_explicit_profile_of_another_setup_is_refused_not_overwritten(bundled_target, tmp_path):
+    from dspark.api import step_cost_model
+    from dspark.profiling import ProfileMismatch
+
+    from pathlib import Path
+
+    src = json.loads((Path(__file__).parents[1] / "benchmarks/results/scheduling/profile_cpu.json").read_text())
+    src["fingerprint"]["threads"] = 999
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(src))
+    before = path.read_text()
+    with pytest.raises(ProfileMismatch, match="threads"):
+        step_cost_model(bundled_target, dspark.load_drafter("dspark", bundled_target), 1, path)
+    assert path.read_text() == before
