@@ -323,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default=None)
     t.add_argument("--device", default="cpu")
     t.set_defaults(func=cmd_train)
+    from dspark.serving.cli import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 

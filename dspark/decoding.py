@@ -1,7 +1,7 @@
-"""The one decoding loop: draft, verify in one batched target pass, commit, roll back, feed back.
+"""Decode a fixed set of token-id prompts to completion through the engine (`dspark.engine`).
 
 Target-only decoding, n-gram lookup, draft models and the feature-conditioned drafters all run through
-`decode`; a single request is a batch of one.
+the engine's one loop; a single request is a batch of one.
 """
 from __future__ import annotations
 
@@ -11,38 +11,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
-from dspark.sampling import BatchSampling, SamplingParams, make_generator
-from dspark.scheduling import CostModel, Scheduler, step_tokens
+from dspark.drafters.base import Drafter, drafter_gamma
+from dspark.engine import Engine, EngineConfig, Request, RoundStats, StepInfo
+from dspark.engine.engine import StepCallback
+from dspark.engine.survival import survival_for
+from dspark.sampling import SamplingParams
+from dspark.scheduling import CostModel, Scheduler
 from dspark.target import CausalLM
-from dspark.verify import verify
 
-
-@dataclass
-class RoundStats:
-    """One round of one request: how many drafts were verified and how many were accepted.
-
-    available: drafts the block offered (after the token budget) before the scheduler cut it to
-    draft_len. signals: the block's survival signals [available][3] when the loop records them.
-    """
-
-    draft_len: int
-    accepted: int
-    available: int | None = None
-    signals: list[list[float]] | None = None
-
-
-@dataclass
-class StepInfo:
-    """One step of the decoding loop, as measured: what the cost model is fitted and corrected on."""
-
-    batch: int
-    tokens: int
-    drafted: bool
-    seconds: float
-    lengths: list[int]
-    expected_throughput: float | None = None
-    capacity: int | None = None
+__all__ = ["GenerationResult", "RoundStats", "StepInfo", "decode", "drafter_gamma", "survival_for"]
 
 
 @dataclass
@@ -63,30 +40,6 @@ class GenerationResult:
 
 
 TokenCallback = Callable[[int, list[int]], None]
-StepCallback = Callable[[StepInfo], None]
-
-
-def drafter_gamma(drafter: Drafter) -> int:
-    """Drafts per round the drafter proposes at most (0 for target-only decoding)."""
-    return int(getattr(drafter, "max_drafts", None) or getattr(drafter, "gamma", 0) or 0)
-
-
-def survival_for(drafter: Drafter, block: DraftBlock, sampling: BatchSampling, temperatures: list[float],
-                 signals: torch.Tensor | None = None, online=None):
-    """Calibrated survival a [R, γ] of a block: the online calibrator, else the drafter's calibration (or the
-    default map), on the block's signals."""
-    from dspark.calibration.maps import default_map
-    from dspark.calibration.signals import block_signals
-
-    signals = block_signals(block, sampling.greedy) if signals is None else signals
-    if signals.shape[1] == 0:  # no row drafted anything (e.g. no n-gram match)
-        return torch.zeros(signals.shape[0], 0)
-    if online is not None:
-        return online.survival(signals, block.lengths.cpu(), temperatures)
-    calibration = getattr(drafter, "calibration", None)
-    if calibration is None:
-        return default_map(block.confidences is not None, signals.shape[1]).survival(signals, block.lengths.cpu())
-    return calibration.survival(signals, block.lengths.cpu(), temperatures)
 
 
 def _check_inputs(target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -138,111 +91,31 @@ def decode(
     `OnlineCalibrator`) supplies the survival estimates and learns from every verified prefix.
     """
     _check_inputs(target, prompts, max_new_tokens)
-    gamma = drafter_gamma(drafter)
-    sched = scheduler if isinstance(scheduler, Scheduler) else Scheduler(scheduler, gamma)
-    if sched.needs_cost and cost_model is None:
-        raise ValueError(f"scheduler {sched.spec!r} needs a cost model: run `dspark profile` or pass cost_model")
     if draft_limits is not None:
         draft_limits = [int(x) for x in draft_limits]
         if len(draft_limits) != len(prompts) or any(x < 0 for x in draft_limits):
             raise ValueError(f"draft_limits needs one non-negative count per prompt, got {draft_limits}")
-    if token_budget is not None and token_budget < 1:
-        raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget}")
-    layout = cost_model.layout if cost_model is not None else "padded"
     params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling settings for {len(prompts)} prompts")
-    eos = target.eos_token_ids if eos_token_ids is None else eos_token_ids
-    device = target.device
-    results = [GenerationResult(prompt_ids=[int(t) for t in p]) for p in prompts]
-    seqs = [list(r.prompt_ids) for r in results]
-    gens = [make_generator(p.seed, device) for p in params]
-    active = list(range(len(prompts)))  # request index of each batch row
-    want_features = bool(drafter.feature_layers)
-    if want_features and list(target.feature_layers) != list(drafter.feature_layers):
-        target.set_feature_layers(drafter.feature_layers)
+    config = EngineConfig(max_running=len(prompts), max_waiting=len(prompts), token_budget=token_budget,
+                          online_cost=online_cost, record_signals=record_signals, detokenize=False)
+    engine = Engine(target, drafter, scheduler, cost_model, config, online_calibration, eos_token_ids, on_step)
+    requests = [
+        Request(list(p), params[i], max_new_tokens, max_draft=None if draft_limits is None else draft_limits[i], seq=i)
+        for i, p in enumerate(prompts)  # seq = the prompt's index: what schedulers and the calibrator key on
+    ]
+    index = {req.seq: i for i, req in enumerate(requests)}
     start = time.perf_counter()
-
-    # Prefill everything but the last prompt token; that token is the first round's anchor.
-    target.reset(len(prompts))
-    pre = target.forward([s[:-1] for s in seqs], features=want_features)
-    drafter.start(seqs, pre.features)
-
-    while active:
-        step_start = time.perf_counter()
-        batch_params = BatchSampling.from_params([params[i] for i in active], device)
-        batch_gens = [gens[i] for i in active]
-        rows_seqs = [seqs[i] for i in active]
-        budget = [max_new_tokens - len(results[i].token_ids) - 1 for i in active]
-        if draft_limits is not None:
-            budget = [min(b, draft_limits[i]) for b, i in zip(budget, active)]
-        drafted = gamma > 0 and max(budget) > 0 and sched.wants_drafts(len(active))
-        block = drafter.propose(rows_seqs, batch_params, batch_gens) if drafted else DraftBlock.empty(len(active), device)
-        block = block.truncate(budget)
-        available = block.lengths.tolist()
-        plan_theta = plan_capacity = None
-        signals = None
-        if (record_signals or online_calibration is not None) and drafted:
-            from dspark.calibration.signals import block_signals
-
-            signals = block_signals(block, batch_params.greedy)
-        if drafted and sched.kind not in ("fixed", "none"):
-            survival = None
-            if sched.needs_survival:
-                survival = survival_for(drafter, block, batch_params, [params[i].temperature for i in active],
-                                        signals, online_calibration)
-            plan = sched.plan(survival, available, cost_model, token_budget, active)
-            block = block.truncate(plan.lengths)
-            plan_theta, plan_capacity = plan.expected_throughput, plan.capacity
-        elif drafted:
-            block = block.truncate(sched.plan(None, available, cost_model, token_budget).lengths)
-        lens = block.lengths.tolist()
-        drafts = block.tokens.tolist()
-        inputs = [[s[-1]] + drafts[r][: lens[r]] for r, s in enumerate(rows_seqs)]
-        base_len = target.lengths.clone()
-        out = target.forward(inputs, features=want_features)
-        width = max(lens) + 1 if lens else 1
-        logits = out.logits[:, :width]
-        draft_tokens = block.tokens[:, : width - 1]
-        if draft_tokens.shape[1] < width - 1:
-            draft_tokens = torch.nn.functional.pad(draft_tokens, (0, width - 1 - draft_tokens.shape[1]))
-        probs = block.probs[:, : width - 1] if block.probs is not None else None
-        res = verify(logits, draft_tokens, block.lengths, probs, batch_params, batch_gens, eos)
-        # Keep the anchor and the accepted drafts in the target cache; the new token is the next anchor.
-        target.truncate(base_len + 1 + torch.tensor(res.accepted, device=device))
-        drafter.observe(RoundOutcome(committed=res.tokens, accepted=res.accepted, features=out.features))
-        if online_calibration is not None and signals is not None:
-            for r, i in enumerate(active):  # the verified prefix labels positions 1..ℓ (admission read signals only)
-                if lens[r] > 0:
-                    online_calibration.observe(signals[r, : lens[r]], lens[r], res.accepted[r], params[i].greedy,
-                                               request_id=i, temperature=params[i].temperature)
-        seconds = time.perf_counter() - step_start
-        tokens_in_step = step_tokens(lens, layout)
-        if cost_model is not None and online_cost:
-            cost_model.observe(len(active), tokens_in_step, seconds, drafted)
-        if on_step is not None:
-            on_step(StepInfo(len(active), tokens_in_step, drafted, seconds, lens, plan_theta, plan_capacity))
-
-        still = []
-        for r, i in enumerate(active):
-            room = max_new_tokens - len(results[i].token_ids)
-            new = res.tokens[r][:room]
-            results[i].token_ids.extend(new)
-            seqs[i].extend(new)
-            sig = signals[r, : available[r]].tolist() if record_signals and signals is not None else None
-            results[i].rounds.append(RoundStats(lens[r], res.accepted[r], available[r], sig))
-            if on_tokens is not None and new:
-                on_tokens(i, new)
-            if any(t in eos for t in new):
-                results[i].finish_reason = "stop"
-            elif len(results[i].token_ids) < max_new_tokens:
-                still.append(r)
-        if len(still) < len(active):
-            target.select(still)
-            drafter.select(still)
-            active = [active[r] for r in still]
-
+    for req in requests:
+        engine.add(req)
+    while engine.has_work:
+        for out in engine.step():
+            if on_tokens is not None and out.token_ids:
+                on_tokens(index[out.request.seq], out.token_ids)
     elapsed = time.perf_counter() - start
-    for r in results:
-        r.seconds = elapsed
-    return results
+    return [
+        GenerationResult(prompt_ids=req.prompt_ids, token_ids=req.output_ids, rounds=req.rounds,
+                         finish_reason=req.finish_reason or "length", seconds=elapsed)
+        for req in requests
+    ]

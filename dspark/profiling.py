@@ -223,8 +223,11 @@ class _FullBlock(Drafter):
         self.name = getattr(inner, "name", "drafter")
         self.feature_layers = tuple(getattr(inner, "feature_layers", ()))
 
-    def start(self, prompts, prefill_features) -> None:
-        self.inner.start(prompts, prefill_features)
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def join(self, prompts, prefill_features) -> None:
+        self.inner.join(prompts, prefill_features)
 
     def observe(self, outcome) -> None:
         self.inner.observe(outcome)

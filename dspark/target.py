@@ -138,6 +138,66 @@ class CausalLM:
                 layer.keys = layer.keys[idx]
                 layer.values = layer.values[idx]
 
+    def empty_like(self) -> "CausalLM":
+        """A new wrapper with no rows over the same model, tokenizer and feature layers (its own cache)."""
+        return CausalLM(self.model, self.tokenizer, self.feature_layers, self.compact_slack)
+
+    def take(self, rows: Sequence[int]) -> "CausalLM":
+        """Move the given rows (in that order) into a new wrapper and keep the others here, in order."""
+        rows = [int(r) for r in rows]
+        chosen = set(rows)
+        rest = [r for r in range(self.batch_size) if r not in chosen]
+        part = self.empty_like()
+        part.cache, part.valid, part.lengths = self.cache, self.valid, self.lengths
+        if self.cache is not None:  # the part gets its own layer objects; this wrapper keeps the originals
+            part.cache = DynamicCache(config=self.model.config)
+            for mine, theirs in zip(self.cache.layers, part.cache.layers):
+                theirs.lazy_initialization(mine.keys, mine.values)
+                theirs.keys, theirs.values = mine.keys, mine.values
+        part.select(rows)
+        self.select(rest)
+        return part
+
+    def extend(self, other: "CausalLM") -> None:
+        """Append `other`'s rows after this wrapper's rows (new requests join the batch); `other` is emptied.
+
+        The shorter side's slots are padded with invalid slots, so every row keeps exactly its own text.
+        """
+        if other.batch_size == 0:
+            return
+        width = max(self.valid.shape[1], other.valid.shape[1])
+        pad = torch.nn.functional.pad
+        valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
+                           pad(other.valid, (0, width - other.valid.shape[1]))], 0)
+        if self.cache is not None or other.cache is not None:
+            ref = self.cache if self.cache is not None else other.cache
+            merged = DynamicCache(config=self.model.config)
+            for i, layer in enumerate(merged.layers):
+                k, v = ref.layers[i].keys, ref.layers[i].values
+                parts_k, parts_v = [], []
+                for side in (self, other):
+                    if side.cache is None:  # rows that never ran a pass: all slots invalid
+                        shape = (side.batch_size, k.shape[1], width, k.shape[3])
+                        parts_k.append(k.new_zeros(shape))
+                        parts_v.append(v.new_zeros((side.batch_size, v.shape[1], width, v.shape[3])))
+                    else:
+                        sk, sv = side.cache.layers[i].keys, side.cache.layers[i].values
+                        parts_k.append(pad(sk, (0, 0, 0, width - sk.shape[2])))
+                        parts_v.append(pad(sv, (0, 0, 0, width - sv.shape[2])))
+                keys, values = torch.cat(parts_k, 0), torch.cat(parts_v, 0)
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+            self.cache = merged
+        self.valid = valid
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        other.reset(0)
+
+    def add_rows(self, count: int) -> None:
+        """Append `count` empty rows (requests that have not run a pass yet)."""
+        fresh = self.empty_like()
+        fresh.reset(count)
+        self.extend(fresh)
+
     def compact(self) -> None:
         """Gather every row's valid slots to the left and drop the slots no row needs."""
         if self.cache is None:

@@ -186,9 +186,12 @@ class Recorder(Drafter):
     def feature_layers(self):  # class attribute on Drafter: forward explicitly
         return self.inner.feature_layers
 
-    def start(self, prompts, prefill_features):
+    def reset(self):
         self.first = None
-        self.inner.start(prompts, prefill_features)
+        self.inner.reset()
+
+    def join(self, prompts, prefill_features):
+        self.inner.join(prompts, prefill_features)
 
     def propose(self, sequences, sampling, generators):
         block = self.inner.propose(sequences, sampling, generators)

@@ -65,8 +65,9 @@ class RoundOutcome:
 class Drafter:
     """Base of all drafters. Subclasses implement `propose`; the hooks default to doing nothing.
 
-    The decoding loop calls: `start(prompts, prefill_features)` once, then per round `propose`, the
-    target verifies, `observe(outcome)`; `select(rows)` when finished requests leave the batch.
+    The engine calls `reset()` once, `join(prompts, prefill_features)` when new requests enter the batch
+    (their rows go after the running ones), per step `propose`, the target verifies, `observe(outcome)`;
+    `select(rows)` when finished requests leave the batch. `start` is `reset` then `join`.
     """
 
     name: str = "drafter"
@@ -75,6 +76,17 @@ class Drafter:
 
     def start(self, prompts: Sequence[Sequence[int]], prefill_features: torch.Tensor | None) -> None:
         """Begin a new batch whose requests start from `prompts`."""
+        self.reset()
+        self.join(prompts, prefill_features)
+
+    def reset(self) -> None:
+        """Drop every row."""
+
+    def join(self, prompts: Sequence[Sequence[int]], prefill_features: torch.Tensor | None) -> None:
+        """Append rows for requests starting from `prompts`, after the rows already in the batch.
+
+        prefill_features[r, :len(prompts[r]) - 1]: the target features of every prompt token but the last.
+        """
 
     def propose(
         self,
@@ -100,3 +112,8 @@ class NoDrafter(Drafter):
     def propose(self, sequences, sampling, generators) -> DraftBlock:
         """Return an empty block."""
         return DraftBlock.empty(len(sequences))
+
+
+def drafter_gamma(drafter: Drafter) -> int:
+    """Drafts per round the drafter proposes at most (0 for target-only decoding)."""
+    return int(getattr(drafter, "max_drafts", None) or getattr(drafter, "gamma", 0) or 0)

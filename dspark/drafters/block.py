@@ -85,6 +85,26 @@ class ContextCache:
         self.valid = torch.arange(width, device=self.valid.device).view(1, -1) < self.lengths.view(-1, 1)
         self.dense = bool(self.valid.all())
 
+    def extend(self, other: "ContextCache") -> None:
+        """Append the rows of `other` after these rows, padding the shorter side's slots (masked)."""
+        if not other.kv:
+            return
+        if not self.kv:
+            self.kv, self.valid, self.lengths, self.dense = other.kv, other.valid, other.lengths, other.dense
+            return
+        width = max(self.valid.shape[1], other.valid.shape[1])
+        pad = torch.nn.functional.pad
+
+        def widen(t: torch.Tensor) -> torch.Tensor:
+            return pad(t, (0, 0, 0, width - t.shape[2]))
+
+        self.kv = [(torch.cat([widen(k0), widen(k1)], 0), torch.cat([widen(v0), widen(v1)], 0))
+                   for (k0, v0), (k1, v1) in zip(self.kv, other.kv)]
+        self.valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
+                                pad(other.valid, (0, width - other.valid.shape[1]))], 0)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.dense = bool(self.valid.all())
+
     def select(self, rows: Sequence[int]) -> None:
         """Keep only the given rows."""
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
@@ -137,18 +157,26 @@ class BlockDrafter(Drafter):
         """Draft tokens proposed per round."""
         return self.cfg.num_drafts
 
-    def _append_context(self, features: torch.Tensor, counts: torch.Tensor) -> None:
-        start = self.ctx.lengths if self.ctx.kv else torch.zeros_like(counts)
+    def _append_context(self, features: torch.Tensor, counts: torch.Tensor, into: ContextCache | None = None) -> None:
+        ctx = self.ctx if into is None else into
+        start = ctx.lengths if ctx.kv else torch.zeros_like(counts)
         positions = start.view(-1, 1) + torch.arange(features.shape[1], device=features.device).view(1, -1)
         with torch.no_grad():
             kv = self.model.context_kv(features, positions)
-        self.ctx.append(kv, counts)
+        ctx.append(kv, counts)
 
-    def start(self, prompts, prefill_features) -> None:
-        """Build the context cache from the prefill features (every prompt token but the last)."""
+    def reset(self) -> None:
+        """Drop every row's context."""
         self.ctx = ContextCache()
+
+    def join(self, prompts, prefill_features) -> None:
+        """Add rows whose context cache holds the prefill features (every prompt token but the last)."""
+        if not prompts:
+            return
         counts = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=prefill_features.device)
-        self._append_context(prefill_features, counts)
+        fresh = ContextCache()
+        self._append_context(prefill_features, counts, fresh)
+        self.ctx.extend(fresh)
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Append the features of each row's anchor and accepted drafts to the context."""

@@ -26,10 +26,15 @@ class DraftModelDrafter(Drafter):
         self.gamma = gamma
         self.fed: list[list[int]] = []
 
-    def start(self, prompts, prefill_features) -> None:
-        """Reset the draft cache for a new batch."""
-        self.lm.reset(len(prompts))
-        self.fed = [[] for _ in prompts]
+    def reset(self) -> None:
+        """Drop every row of the draft cache."""
+        self.lm.reset(0)
+        self.fed = []
+
+    def join(self, prompts, prefill_features) -> None:
+        """Add empty draft-cache rows; the first proposal feeds each new row its prompt."""
+        self.lm.add_rows(len(prompts))
+        self.fed += [[] for _ in prompts]
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep the cache rows of requests still running."""

@@ -134,11 +134,22 @@ class Eagle3Drafter(Drafter):
         self.pending_feats: list[torch.Tensor] = []
         self.pending_toks: list[list[int]] = []
 
-    def start(self, prompts, prefill_features) -> None:
-        """Queue the prompt's (feature_t, x_{t+1}) pairs."""
-        self._reset(len(prompts), prefill_features.device)
-        self.pending_feats = [prefill_features[r, : len(p) - 1] for r, p in enumerate(prompts)]
-        self.pending_toks = [list(p[1:]) for p in prompts]
+    def reset(self) -> None:
+        """Drop every row."""
+        self._reset(0, next(self.model.parameters()).device)
+
+    def join(self, prompts, prefill_features) -> None:
+        """Add rows with an empty cache and the prompt's (feature_t, x_{t+1}) pairs queued."""
+        if not prompts:
+            return
+        count, device = len(prompts), self.valid.device
+        if self.k is not None:  # the new rows' slots are all invalid
+            self.k = torch.cat([self.k, self.k.new_zeros((count, *self.k.shape[1:]))])
+            self.v = torch.cat([self.v, self.v.new_zeros((count, *self.v.shape[1:]))])
+        self.valid = torch.cat([self.valid, torch.zeros(count, self.valid.shape[1], dtype=torch.bool, device=device)])
+        self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long, device=device)])
+        self.pending_feats += [prefill_features[r, : len(p) - 1] for r, p in enumerate(prompts)]
+        self.pending_toks += [list(p[1:]) for p in prompts]
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Queue (feature, next committed token) for the anchor and every accepted draft."""

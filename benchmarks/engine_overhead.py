@@ -1,0 +1,85 @@
+"""Where an engine step's time goes at a fixed number of concurrent requests (closed loop, in process).
+
+    python benchmarks/engine_overhead.py [--concurrency 16] [--steps 150] [--scheduler dspark] [--drafter dspark]
+        [--max-tokens 64] [--profile FILE] [--out benchmarks/results/serving/engine_overhead.txt]
+
+Keeps `--concurrency` requests running (a finished request is replaced at once by the next held-out prompt),
+skips the first 20 steps, and splits every step into: the drafting call, survival + scheduler, the target
+pass, the prefill chunk of arriving requests, and the rest (verification, rollback, the drafter's feedback,
+online calibration and cost correction, commit, stop checks, admission and row bookkeeping). The engine's
+own overhead is that rest plus the scheduling share.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model
+from dspark.engine import Engine, EngineConfig, Request, StepInfo
+from dspark.evaluation.bench import load_eval_prompts
+from dspark.scheduling import Scheduler
+from dspark.drafters.base import drafter_gamma
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--scheduler", default="dspark")
+    ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--out", default="benchmarks/results/serving/engine_overhead.txt")
+    args = ap.parse_args()
+
+    target = load_target()
+    drafter = load_drafter(args.drafter, target)
+    cost = None
+    if Scheduler(args.scheduler, drafter_gamma(drafter)).needs_cost:
+        cost = step_cost_model(target, drafter, args.concurrency, args.profile)
+    prompts = [encode_prompt(target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
+    infos: list[StepInfo] = []
+    engine = Engine(target, drafter, args.scheduler, cost, EngineConfig(max_running=args.concurrency),
+                    on_step=infos.append)
+    issued = 0
+
+    def issue() -> None:
+        nonlocal issued
+        engine.add(Request(prompts[issued % len(prompts)], max_tokens=args.max_tokens, ignore_eos=True))
+        issued += 1
+
+    for _ in range(args.concurrency):
+        issue()
+    while len(infos) < args.warmup + args.steps:
+        for out in engine.step():
+            if out.finished:
+                issue()
+    steps = infos[args.warmup:]
+    total = sum(s.step_seconds for s in steps)
+    parts = {
+        "drafting call": sum(s.draft_seconds for s in steps),
+        "survival + scheduler": sum(s.schedule_seconds for s in steps),
+        "target pass": sum(s.target_seconds for s in steps),
+        "prefill chunk": sum(s.prefill_seconds for s in steps),
+    }
+    parts["verify, commit, bookkeeping"] = total - sum(parts.values())
+    lines = [f"python benchmarks/engine_overhead.py {' '.join(sys.argv[1:])}",
+             f"{len(steps)} steps at {args.concurrency} concurrent requests, scheduler {args.scheduler}, drafter "
+             f"{args.drafter}; median step {statistics.median(s.step_seconds for s in steps) * 1e3:.1f} ms, "
+             f"median batch {statistics.median(s.batch for s in steps):.0f}"]
+    for name, sec in parts.items():
+        lines.append(f"  {name:<28} {100 * sec / total:5.1f}%  ({1e3 * sec / len(steps):6.2f} ms/step)")
+    overhead = parts["verify, commit, bookkeeping"] + parts["survival + scheduler"]
+    lines.append(f"  engine overhead (outside drafter, target and prefill passes): {100 * overhead / total:.1f}%")
+    text = "\n".join(lines)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Load sweep over HTTP: `dspark serve` per verification scheduler, closed-loop streaming clients at each concurrency.
+
+    python benchmarks/serve_sweep.py [--arms none fixed:7 fixed:3 fixed:1 threshold:0.6 dspark dspark-async]
+        [--temperatures 0 1] [--concurrency 1 2 4 8 16 32 64] [--requests-per-client 3] [--max-tokens 64]
+        [--repeats 2] [--drafter dspark] [--profile FILE] [--out DIR] [--port 8123]
+
+Per arm the script starts `dspark serve --scheduler ARM` (same target, same drafter everywhere) in its own
+process, waits for /health, and per temperature, concurrency and repeat runs C clients, each sending
+streaming chat completions back to back (a closed loop) over the bundled held-out prompts with the official
+`openai` async client (one Python process, one thread: on 2 cores a multi-process load generator would take
+the server's CPU; `--aiperf` cross-checks one cell with NVIDIA's aiperf instead). Every request asks for
+exactly --max-tokens tokens (`ignore_eos`), so every arm produces the same work.
+
+Figures per arm and cell (a cell: arm, temperature, concurrency, repeat):
+- output tok/s: tokens committed while all C clients were past their warm-up request and none had finished
+  its last one (the steady window; each request's tokens are spread evenly over its decoding time);
+- per-user tok/s: each measured request's decoding speed (tokens − 1) / (last − first token), median and
+  p10; TTFT and TPOT p50 / p99;
+- τ, verified draft tokens and wasted (verified − accepted) per step, from the server's /metrics.
+Writes DIR/serve_sweep.json, prints the tables and plots throughput against concurrency and per-user speed
+against throughput (the paper's Fig. 7 view) into DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from dspark.evaluation.bench import load_eval_prompts
+
+DEFAULT_ARMS = ["none", "fixed:7", "fixed:3", "fixed:1", "threshold:0.6", "dspark", "dspark-async"]
+COUNTERS = {
+    "generation": "dspark:generation_tokens_total",
+    "draft_tokens": "dspark:spec_decode_num_draft_tokens_total",
+    "accepted": "dspark:spec_decode_num_accepted_tokens_total",
+    "rounds": "dspark:decode_rounds_total",
+    "steps": "dspark:step_time_seconds_count",
+}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; NaN for no data."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def scrape(base: str) -> dict[str, float]:
+    """The server's counters of COUNTERS (summed over labels)."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    out = {k: 0.0 for k in COUNTERS}
+    by_sample = {v: k for k, v in COUNTERS.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = by_sample.get(sample.name)
+            if key is not None:
+                out[key] += sample.value
+    return out
+
+
+def start_server(arm: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    """Start `dspark serve` for one scheduler and wait until /health answers."""
+    cmd = [sys.executable, "-m", "dspark.cli", "serve", "--scheduler", arm, "--drafter", args.drafter,
+           "--port", str(args.port), "--max-running", str(max(args.concurrency))]
+    if args.profile:
+        cmd += ["--profile", args.profile]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{args.port}"
+    deadline = time.time() + args.start_timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"dspark serve --scheduler {arm} exited ({proc.returncode}); see {log}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"dspark serve --scheduler {arm} did not answer /health in {args.start_timeout} s; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then wait (the server drains and exits)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def one_request(client, model: str, prompt: str, args, temperature: float, seed: int) -> dict:
+    """One streaming chat completion; returns its start, first-token and end times and token count."""
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+        temperature=temperature, seed=seed, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {"start": start, "first": first or end, "end": end, "tokens": tokens}
+
+
+async def closed_loop(base: str, model: str, prompts: list[str], concurrency: int, args, temperature: float,
+                      repeat: int) -> list[list[dict]]:
+    """C clients, each sending requests_per_client requests back to back; per client its request records."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=3600,
+                         http_client=None)
+
+    async def worker(w: int) -> list[dict]:
+        done = []
+        for j in range(args.requests_per_client):
+            i = (w * args.requests_per_client + j + repeat * 7) % len(prompts)
+            done.append(await one_request(client, model, prompts[i], args, temperature, seed=1000 * w + j))
+        return done
+
+    try:
+        return await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    finally:
+        await client.close()
+
+
+def cell_figures(clients: list[list[dict]]) -> dict:
+    """Steady-window throughput and per-request latency figures of one cell (first request per client: warm-up)."""
+    t0 = max(c[0]["end"] for c in clients)  # every client is past its warm-up
+    t1 = min(c[-1]["end"] for c in clients)  # no client has finished yet
+    measured = [r for c in clients for r in c[1:]]
+    window_tokens = 0.0
+    for r in measured:
+        span = max(r["end"] - r["first"], 1e-9)
+        overlap = max(0.0, min(r["end"], t1) - max(r["first"], t0))
+        window_tokens += (r["tokens"] - 1) * overlap / span
+    per_user = [(r["tokens"] - 1) / max(r["end"] - r["first"], 1e-9) for r in measured if r["tokens"] > 1]
+    ttft = [r["first"] - r["start"] for r in measured]
+    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in measured if r["tokens"] > 1]
+    return {
+        "throughput": window_tokens / (t1 - t0) if t1 > t0 else float("nan"),
+        "window_s": t1 - t0,
+        "requests": len(measured),
+        "tokens": sum(r["tokens"] for r in measured),
+        "per_user_median": statistics.median(per_user) if per_user else float("nan"),
+        "per_user_p10": percentile(per_user, 0.10),
+        "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
+        "tpot_p50": percentile(tpot, 0.5), "tpot_p99": percentile(tpot, 0.99),
+    }
+
+
+def server_figures(before: dict, after: dict) -> dict:
+    """τ and per-step verified / wasted draft tokens from the /metrics counters' change over a cell."""
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    steps = max(d["steps"], 1.0)
+    return {
+        "tau": d["generation"] / max(d["rounds"], 1.0),
+        "verified_per_step": d["draft_tokens"] / steps,
+        "wasted_per_step": (d["draft_tokens"] - d["accepted"]) / steps,
+        "steps": d["steps"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [p for d in ("code", "prose", "math") for p in load_eval_prompts(d, args.prompts)]
+    base = f"http://127.0.0.1:{args.port}"
+    path = out / "serve_sweep.json"
+    results = json.loads(path.read_text()) if path.exists() and args.resume else {"cells": []}
+    results["command"] = "python benchmarks/serve_sweep.py " + " ".join(sys.argv[1:])
+    results["settings"] = {k: v for k, v in vars(args).items()}
+    done = {(c["arm"], c["temperature"], c["concurrency"], c["repeat"]) for c in results["cells"]}
+    for arm in args.arms:
+        todo = [(t, c, r) for t in args.temperatures for c in args.concurrency for r in range(args.repeats)
+                if (arm, t, c, r) not in done]
+        if not todo:
+            continue
+        proc = start_server(arm, args, out / f"server_{arm.replace(':', '_')}.log")
+        try:
+            model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+            asyncio.run(closed_loop(base, model, prompts, 2, args, 0.0, 0))  # warm the server up
+            for temperature, conc, rep in todo:
+                before = scrape(base)
+                clients = asyncio.run(closed_loop(base, model, prompts, conc, args, temperature, rep))
+                cell = {"arm": arm, "temperature": temperature, "concurrency": conc, "repeat": rep,
+                        **cell_figures(clients), **server_figures(before, scrape(base))}
+                results["cells"].append(cell)
+                print(f"{arm:>14} T={temperature:g} c={conc:>3} r={rep}: {cell['throughput']:7.1f} tok/s, "
+                      f"per-user {cell['per_user_median']:6.1f} (p10 {cell['per_user_p10']:6.1f}), "
+                      f"TTFT p50 {cell['ttft_p50'] * 1e3:6.0f} ms, τ {cell['tau']:.2f}, "
+                      f"verified/step {cell['verified_per_step']:.1f}", flush=True)
+                path.write_text(json.dumps(results, indent=1))
+        finally:
+            stop_server(proc)
+    return results
+
+
+def summarize(results: dict) -> str:
+    """Per temperature: mean throughput (± half the spread of the repeats) per arm and concurrency."""
+    cells = results["cells"]
+    lines = []
+    for temp in sorted({c["temperature"] for c in cells}):
+        concs = sorted({c["concurrency"] for c in cells if c["temperature"] == temp})
+        arms = list(dict.fromkeys(c["arm"] for c in cells if c["temperature"] == temp))
+        lines.append(f"\nT={temp:g}: output tok/s (mean of repeats ± half their range); per-user tok/s median")
+        lines.append(f"{'arm':>14} " + " ".join(f"{'c=' + str(c):>16}" for c in concs))
+        for arm in arms:
+            row = []
+            for conc in concs:
+                xs = [c for c in cells if c["arm"] == arm and c["temperature"] == temp and c["concurrency"] == conc]
+                if not xs:
+                    row.append(f"{'-':>16}")
+                    continue
+                tp = [x["throughput"] for x in xs]
+                pu = statistics.mean(x["per_user_median"] for x in xs)
+                row.append(f"{statistics.mean(tp):6.1f}±{(max(tp) - min(tp)) / 2:4.1f} ({pu:4.1f})")
+            lines.append(f"{arm:>14} " + " ".join(row))
+    return "\n".join(lines)
+
+
+def plot(results: dict, out: Path) -> None:
+    """Throughput against concurrency, and per-user speed against throughput, per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = results["cells"]
+    for temp in sorted({c["temperature"] for c in cells}):
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for arm in dict.fromkeys(c["arm"] for c in cells):
+            xs = sorted({c["concurrency"] for c in cells if c["arm"] == arm and c["temperature"] == temp})
+            if not xs:
+                continue
+            sel = [[c for c in cells if c["arm"] == arm and c["temperature"] == temp and c["concurrency"] == x]
+                   for x in xs]
+            tp = [statistics.mean(c["throughput"] for c in s) for s in sel]
+            pu = [statistics.mean(c["per_user_median"] for c in s) for s in sel]
+            ax1.plot(xs, tp, marker="o", label=arm)
+            ax2.plot(tp, pu, marker="o", label=arm)
+        ax1.set_xscale("log", base=2)
+        ax1.set_xlabel("concurrent clients")
+        ax1.set_ylabel("output tokens / s")
+        ax2.set_xlabel("output tokens / s")
+        ax2.set_ylabel("per-user tokens / s (median)")
+        ax1.set_title(f"throughput, T={temp:g}")
+        ax2.set_title(f"per-user speed vs throughput, T={temp:g}")
+        ax1.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"serve_sweep_T{temp:g}.png", dpi=120)
+        plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS)
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--requests-per-client", type=int, default=3, help="the first is warm-up")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=40, help="held-out prompts per domain")
+    ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--profile", default=None, help="step-cost profile for the dspark arms")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--out", default="benchmarks/results/serving")
+    ap.add_argument("--resume", action="store_true", help="keep the cells already in DIR/serve_sweep.json")
+    args = ap.parse_args()
+    if args.requests_per_client < 2:
+        ap.error("--requests-per-client must be >= 2 (the first request of each client is warm-up)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    results = run(args)
+    table = summarize(results)
+    print(table)
+    out = Path(args.out)
+    (out / "serve_sweep.txt").write_text(results["command"] + "\n" + table + "\n")
+    plot(results, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

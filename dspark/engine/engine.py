@@ -1,0 +1,437 @@
+"""The continuous-batching engine: one step admits, prefills a chunk, drafts, schedules, verifies and commits.
+
+Requests arrive (`add`) and leave (finish, `cancel`) at any time. Each `step()`:
+
+1. drop cancelled requests (their rows and memory go now);
+2. admit waiting requests while running rows, the per-step token budget and the KV budget allow;
+3. prefill a chunk of the joining requests' prompts in their own cache (while others are running, at most
+   `prefill_chunk` tokens, so a long prompt never stalls them); requests whose prompt is in join the batch;
+4. one decoding round for every running request: one batched drafting call → calibrated survival a[r, k]
+   → the verification scheduler's ℓ_r → one target pass over the anchors and ℓ_r drafts → batched
+   verification → per-request commit and rollback → stop conditions → stream the committed tokens.
+
+`dspark.decoding.decode` (and so `generate`, `bench`, `profile`, `calibrate`) runs a fixed set of requests
+through this loop; the server calls the same `step` from its engine thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome, drafter_gamma
+from dspark.engine.request import Request, RequestOutput, RoundStats
+from dspark.engine.survival import survival_for
+from dspark.engine.text import TextStream
+from dspark.sampling import BatchSampling, make_generator
+from dspark.scheduling import CostModel, Scheduler, step_tokens
+from dspark.target import CausalLM
+from dspark.verify import verify
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its limit: try again later."""
+
+
+@dataclass
+class StepInfo:
+    """One decoding round as measured: what the cost model is fitted and corrected on, and the metrics read.
+
+    seconds: the round (drafting, target pass, verification, commit), which the cost model predicts;
+    draft_seconds / schedule_seconds / target_seconds: its drafting call, survival + scheduler, and its target
+    pass; prefill_seconds: the step's prefill chunk; step_seconds: the whole engine step. tokens: the verify pass's query tokens in the cost model's layout.
+    """
+
+    batch: int
+    tokens: int
+    drafted: bool
+    seconds: float
+    lengths: list[int]
+    expected_throughput: float | None = None
+    capacity: int | None = None
+    accepted: list[int] = field(default_factory=list)
+    prefill_tokens: int = 0
+    draft_seconds: float = 0.0
+    schedule_seconds: float = 0.0
+    target_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+StepCallback = Callable[[StepInfo], None]
+
+
+@dataclass
+class EngineConfig:
+    """Admission and loop settings.
+
+    max_running: requests decoding (or prefilling) at once; max_waiting: queue length before `add` refuses.
+    token_budget: query tokens (anchors + verified drafts) of one verify pass. kv_budget_tokens: cache tokens
+    the admitted requests may reserve (prompt + max_tokens + one block each; None: no limit).
+    prefill_chunk: prompt tokens prefilled per step while other requests are decoding.
+    online_cost: correct the cost model from measured rounds. record_signals: keep each round's survival
+    signals in its RoundStats. detokenize: keep each request's text (needs the target's tokenizer).
+    """
+
+    max_running: int = 64
+    max_waiting: int = 1024
+    token_budget: int | None = None
+    kv_budget_tokens: int | None = None
+    prefill_chunk: int = 256
+    online_cost: bool = True
+    record_signals: bool = False
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_waiting", "prefill_chunk"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("token_budget", "kv_budget_tokens"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise ValueError(f"{name} must be a positive number of tokens (or None), got {value}")
+
+
+class Engine:
+    """Continuous batching with speculative decoding over one target and one drafter."""
+
+    def __init__(self, target: CausalLM, drafter: Drafter, scheduler: str | Scheduler = "fixed",
+                 cost_model: CostModel | None = None, config: EngineConfig | None = None,
+                 online_calibration=None, eos_token_ids: frozenset[int] | None = None,
+                 on_step: StepCallback | None = None) -> None:
+        self.target, self.drafter = target, drafter
+        self.config = config or EngineConfig()
+        self.gamma = drafter_gamma(drafter)
+        self.scheduler = scheduler if isinstance(scheduler, Scheduler) else Scheduler(scheduler, self.gamma)
+        if self.scheduler.needs_cost and cost_model is None:
+            raise ValueError(f"scheduler {self.scheduler.spec!r} needs a cost model: run `dspark profile` or "
+                             f"pass cost_model")
+        self.cost_model = cost_model
+        self.layout = cost_model.layout if cost_model is not None else "padded"
+        self.online_calibration = online_calibration
+        self.eos = target.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
+        self.on_step = on_step
+        self.context_limit = getattr(target.model.config, "max_position_embeddings", None)
+        self.want_features = bool(drafter.feature_layers)
+        if self.want_features and list(target.feature_layers) != list(drafter.feature_layers):
+            target.set_feature_layers(drafter.feature_layers)
+        target.reset(0)
+        drafter.reset()
+        self.prefill_lm = target.empty_like()  # joining requests' rows, until their prompt is in
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []  # row r of the target cache and the drafter is running[r]
+        self._lock = threading.Lock()  # guards waiting and the cancel set (the server adds from other threads)
+        self._cancel: set[str] = set()
+        self._features: dict[int, list[torch.Tensor]] = {}
+        self._streams: dict[int, TextStream] = {}
+        self._gens: dict[int, torch.Generator] = {}
+        self._seqs: dict[int, list[int]] = {}
+        self.reserved = 0  # KV tokens reserved by admitted requests
+        self.steps = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def check(self, request: Request) -> None:
+        """Raise ValueError naming the field when the request can never be served."""
+        prompt = request.prompt_ids
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {request.max_tokens}")
+        vocab = self.target.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if self.context_limit is not None and len(prompt) + request.max_tokens > self.context_limit:
+            raise ValueError(f"prompt has {len(prompt)} tokens; with max_tokens={request.max_tokens} that exceeds "
+                             f"the target's context of {self.context_limit} tokens")
+        if request.max_draft is not None and request.max_draft < 0:
+            raise ValueError(f"max_draft must be >= 0, got {request.max_draft}")
+        if request.stop and (self.target.tokenizer is None or not self.config.detokenize):
+            raise ValueError("stop strings need the target's tokenizer (detokenize=True)")
+        budget = self.config.kv_budget_tokens
+        if budget is not None and self._reservation(request) > budget:
+            raise ValueError(f"prompt + max_tokens ({len(prompt)} + {request.max_tokens}) exceed the engine's KV "
+                             f"budget of {budget} tokens")
+
+    def add(self, request: Request) -> Request:
+        """Queue a request (checked first); raise QueueFull when the waiting queue is at its limit."""
+        self.check(request)
+        with self._lock:
+            if len(self.waiting) >= self.config.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (limit {self.config.max_waiting})")
+            request.state = "waiting"
+            self.waiting.append(request)
+        return request
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request; its row and memory are freed at the start of the next step."""
+        with self._lock:
+            self._cancel.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        """True while any request waits, prefills or runs."""
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def run(self, requests: Iterable[Request]) -> list[Request]:
+        """Add the requests and step until every one has finished; return them in order."""
+        requests = [self.add(r) for r in requests]
+        while self.has_work:
+            self.step()
+        return requests
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return what each request committed in it (finished ones included)."""
+        start = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        self._drop_cancelled(outputs)
+        self._admit()
+        prefill_start = time.perf_counter()
+        prefill_tokens = self._prefill()
+        prefill_seconds = time.perf_counter() - prefill_start
+        if self.running:
+            info = self._decode_round(outputs)
+            info.prefill_tokens, info.prefill_seconds = prefill_tokens, prefill_seconds
+            info.step_seconds = time.perf_counter() - start
+            if self.on_step is not None:
+                self.on_step(info)
+        self.steps += 1
+        return outputs
+
+    def _reservation(self, request: Request) -> int:
+        return len(request.prompt_ids) + request.max_tokens + self.gamma + 1
+
+    def _drop_cancelled(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            if not self._cancel:
+                return
+            gone, self._cancel = self._cancel, set()
+            for req in [r for r in self.waiting if r.request_id in gone]:
+                self.waiting.remove(req)
+                self._finish(req, "cancelled", outputs)
+        hit = [r for r, req in enumerate(self.prefilling) if req.request_id in gone]
+        if hit:
+            self.prefill_lm.take(hit)
+            for r in hit:
+                self._finish(self.prefilling[r], "cancelled", outputs)
+            self.prefilling = [req for req in self.prefilling if not req.finished]
+        self._leave([r for r, req in enumerate(self.running) if req.request_id in gone], "cancelled", outputs)
+
+    def _admit(self) -> None:
+        admitted = 0
+        with self._lock:
+            while self.waiting and len(self.running) + len(self.prefilling) < self.config.max_running:
+                req = self.waiting[0]
+                need = self._reservation(req)
+                budget = self.config.kv_budget_tokens
+                if budget is not None and self.reserved + need > budget:
+                    break
+                self.waiting.popleft()
+                self.reserved += need
+                req.state = "prefilling"
+                self._gens[req.seq] = make_generator(req.sampling.seed, self.target.device)
+                self._seqs[req.seq] = list(req.prompt_ids)
+                self._features[req.seq] = []
+                if self.config.detokenize and self.target.tokenizer is not None:
+                    self._streams[req.seq] = TextStream(self.target.tokenizer, req.stop)
+                self.prefilling.append(req)
+                admitted += 1
+        if admitted:
+            self.prefill_lm.add_rows(admitted)
+
+    def _prefill(self) -> int:
+        """Prefill one chunk (every prompt token but the last: that one is the first round's anchor)."""
+        if not self.prefilling:
+            return 0
+        room = None if not self.running else self.config.prefill_chunk
+        chunks = []
+        for req in self.prefilling:
+            todo = len(req.prompt_ids) - 1 - req.prefilled
+            n = todo if room is None else min(todo, room)
+            if room is not None:
+                room -= n
+            chunks.append(req.prompt_ids[req.prefilled : req.prefilled + n])
+        fed = sum(len(c) for c in chunks)
+        if fed:
+            out = self.prefill_lm.forward(chunks, features=self.want_features)
+            for r, (req, chunk) in enumerate(zip(self.prefilling, chunks)):
+                if self.want_features and chunk:
+                    self._features[req.seq].append(out.features[r, : len(chunk)])
+                req.prefilled += len(chunk)
+        done = [r for r, req in enumerate(self.prefilling) if req.prefilled == len(req.prompt_ids) - 1]
+        if done:
+            joining = [self.prefilling[r] for r in done]
+            self.target.extend(self.prefill_lm.take(done))
+            self.drafter.join([req.prompt_ids for req in joining], self._join_features(joining))
+            done_set = set(done)
+            self.prefilling = [req for r, req in enumerate(self.prefilling) if r not in done_set]
+            for req in joining:
+                req.state = "running"
+                self._features.pop(req.seq, None)
+            self.running.extend(joining)
+        return fed
+
+    def _join_features(self, joining: list[Request]) -> torch.Tensor | None:
+        if not self.want_features:
+            return None
+        parts = [torch.cat(self._features[req.seq]) if self._features[req.seq] else None for req in joining]
+        width = max(1, max(len(req.prompt_ids) - 1 for req in joining))
+        dim = next((p.shape[-1] for p in parts if p is not None), None)
+        if dim is None:  # only one-token prompts: no features at all
+            dim = self.drafter_feature_dim()
+        out = torch.zeros(len(joining), width, dim, device=self.target.device)
+        for r, p in enumerate(parts):
+            if p is not None:
+                out[r, : p.shape[0]] = p
+        return out
+
+    def drafter_feature_dim(self) -> int:
+        """Width of the concatenated target features the drafter reads."""
+        return len(self.drafter.feature_layers) * int(self.target.model.config.hidden_size)
+
+    def _decode_round(self, outputs: list[RequestOutput]) -> StepInfo:
+        start = time.perf_counter()
+        rows, device, sched = self.running, self.target.device, self.scheduler
+        params = [req.sampling for req in rows]
+        sampling = BatchSampling.from_params(params, device)
+        gens = [self._gens[req.seq] for req in rows]
+        seqs = [self._seqs[req.seq] for req in rows]
+        budget = []
+        for req in rows:
+            left = req.max_tokens - len(req.output_ids) - 1
+            budget.append(left if req.draft_limit is None else min(left, req.draft_limit))
+        drafted = self.gamma > 0 and max(budget) > 0 and sched.wants_drafts(len(rows))
+        block = self.drafter.propose(seqs, sampling, gens) if drafted else DraftBlock.empty(len(rows), device)
+        block = block.truncate(budget)
+        draft_seconds = time.perf_counter() - start
+        available = block.lengths.tolist()
+        theta = capacity = signals = None
+        if drafted and (self.config.record_signals or self.online_calibration is not None):
+            from dspark.calibration.signals import block_signals
+
+            signals = block_signals(block, sampling.greedy)
+        if drafted and sched.kind not in ("fixed", "none"):
+            survival = None
+            if sched.needs_survival:
+                survival = survival_for(self.drafter, block, sampling, [p.temperature for p in params], signals,
+                                        self.online_calibration, [req.workload for req in rows])
+            plan = sched.plan(survival, available, self.cost_model, self.config.token_budget,
+                              [req.seq for req in rows])
+            block = block.truncate(plan.lengths)
+            theta, capacity = plan.expected_throughput, plan.capacity
+        elif drafted:
+            block = block.truncate(sched.plan(None, available, self.cost_model, self.config.token_budget).lengths)
+        lens = block.lengths.tolist()
+        schedule_seconds = time.perf_counter() - start - draft_seconds
+        drafts = block.tokens.tolist()
+        inputs = [[s[-1]] + drafts[r][: lens[r]] for r, s in enumerate(seqs)]
+        base_len = self.target.lengths.clone()
+        target_start = time.perf_counter()
+        out = self.target.forward(inputs, features=self.want_features)
+        target_seconds = time.perf_counter() - target_start
+        width = max(lens) + 1 if lens else 1
+        draft_tokens = block.tokens[:, : width - 1]
+        if draft_tokens.shape[1] < width - 1:
+            draft_tokens = torch.nn.functional.pad(draft_tokens, (0, width - 1 - draft_tokens.shape[1]))
+        probs = block.probs[:, : width - 1] if block.probs is not None else None
+        res = verify(out.logits[:, :width], draft_tokens, block.lengths, probs, sampling, gens)
+        for r, req in enumerate(rows):  # a stop token among the accepted drafts ends the round (and the request)
+            stops = self._stop_ids(req)
+            cut = next((j for j, t in enumerate(res.tokens[r]) if t in stops), None)
+            if cut is not None and cut < res.accepted[r]:
+                res.tokens[r], res.accepted[r] = res.tokens[r][: cut + 1], cut + 1
+        # Keep the anchor and the accepted drafts in the target cache; the new token is the next anchor.
+        self.target.truncate(base_len + 1 + torch.tensor(res.accepted, device=device))
+        self.drafter.observe(RoundOutcome(committed=res.tokens, accepted=res.accepted, features=out.features))
+        if self.online_calibration is not None and signals is not None:
+            for r, req in enumerate(rows):  # the verified prefix labels positions 1..ℓ (admission read signals only)
+                if lens[r] > 0:
+                    self.online_calibration.observe(signals[r, : lens[r]], lens[r], res.accepted[r], params[r].greedy,
+                                                    workload=req.workload, request_id=req.seq,
+                                                    temperature=params[r].temperature)
+        seconds = time.perf_counter() - start
+        tokens = step_tokens(lens, self.layout)
+        if self.cost_model is not None and self.config.online_cost:
+            self.cost_model.observe(len(rows), tokens, seconds, drafted)
+        now = time.perf_counter()
+        for r, req in enumerate(rows):
+            sig = signals[r, : available[r]].tolist() if self.config.record_signals and signals is not None else None
+            req.rounds.append(RoundStats(lens[r], res.accepted[r], available[r], sig))
+            self._commit(req, res.tokens[r], now, outputs)
+        self._leave([r for r, req in enumerate(rows) if req.finished], None, outputs)
+        return StepInfo(len(rows), tokens, drafted, seconds, lens, theta, capacity, list(res.accepted),
+                        draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
+                        target_seconds=target_seconds)
+
+    def _stop_ids(self, req: Request) -> frozenset[int]:
+        return (req.stop_token_ids or frozenset()) | (frozenset() if req.ignore_eos else self.eos)
+
+    def _commit(self, req: Request, tokens: list[int], now: float, outputs: list[RequestOutput]) -> None:
+        """Append a round's tokens to a request, apply its stop conditions and emit what it committed."""
+        new = tokens[: req.max_tokens - len(req.output_ids)]
+        reason = None
+        stops = self._stop_ids(req)
+        for j, t in enumerate(new):
+            if t in stops:
+                new, reason = new[: j + 1], "stop"
+                break
+        req.output_ids.extend(new)
+        self._seqs[req.seq].extend(new)
+        if req.first_token_time is None and new:
+            req.first_token_time = now
+        text = ""
+        stream = self._streams.get(req.seq)
+        if stream is not None:
+            text, hit = stream.update(req.output_ids)
+            if hit:  # the stop string's tokens end the output; text stops before it
+                drop = len(req.output_ids) - stream.stop_tokens
+                if drop > 0:
+                    del req.output_ids[-drop:]
+                    new = new[: max(0, len(new) - drop)]
+                reason = "stop"
+        if reason is None and len(req.output_ids) >= req.max_tokens:
+            reason = "length"
+        if reason is not None:
+            req.finish_reason = reason
+            if stream is not None and stream.stop_tokens is None:
+                text += stream.flush()
+            req.text = stream.text if stream is not None else ""
+        elif stream is not None:
+            req.text = stream.text[: stream.released]
+        outputs.append(RequestOutput(req, new, text, reason is not None))
+
+    def _leave(self, rows: list[int], reason: str | None, outputs: list[RequestOutput]) -> None:
+        """Remove rows from the batch (target cache and drafter state) in the same step."""
+        if not rows:
+            return
+        gone = set(rows)
+        keep = [r for r in range(len(self.running)) if r not in gone]
+        leaving = [self.running[r] for r in rows]
+        self.target.select(keep)
+        self.drafter.select(keep)
+        self.running = [self.running[r] for r in keep]
+        for req in leaving:
+            if reason is not None:
+                self._finish(req, reason, outputs)
+            else:
+                self._release(req)
+
+    def _finish(self, req: Request, reason: str, outputs: list[RequestOutput]) -> None:
+        req.finish_reason = reason
+        outputs.append(RequestOutput(req, [], "", True))
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req.state in ("prefilling", "running"):
+            self.reserved -= self._reservation(req)
+        req.state = "finished"
+        req.finish_time = time.perf_counter()
+        for store in (self._features, self._streams, self._gens, self._seqs):
+            store.pop(req.seq, None)

@@ -1,0 +1,27 @@
+"""Calibrated survival a[r, k] = P(drafts 1..k of row r all accepted) of a proposed block."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dspark.calibration.maps import default_map
+from dspark.calibration.signals import block_signals
+from dspark.drafters.base import DraftBlock, Drafter
+from dspark.sampling import BatchSampling
+
+
+def survival_for(drafter: Drafter, block: DraftBlock, sampling: BatchSampling, temperatures: list[float],
+                 signals: torch.Tensor | None = None, online=None,
+                 workloads: Sequence[str | None] | None = None) -> torch.Tensor:
+    """Calibrated survival a [R, γ] of a block: the online calibrator (per workload), else the drafter's
+    calibration (or the default map), on the block's signals (never the drafted tokens' own probabilities)."""
+    signals = block_signals(block, sampling.greedy) if signals is None else signals
+    if signals.shape[1] == 0:  # no row drafted anything (e.g. no n-gram match)
+        return torch.zeros(signals.shape[0], 0)
+    if online is not None:
+        return online.survival(signals, block.lengths.cpu(), temperatures, workloads)
+    calibration = getattr(drafter, "calibration", None)
+    if calibration is None:
+        return default_map(block.confidences is not None, signals.shape[1]).survival(signals, block.lengths.cpu())
+    return calibration.survival(signals, block.lengths.cpu(), temperatures)

@@ -1,0 +1,100 @@
+"""`dspark serve`: load the target and drafter, build the engine, serve the OpenAI API with uvicorn.
+
+SIGTERM / SIGINT shut down gracefully: new requests get 503, running ones finish (at most --shutdown-timeout
+seconds, then they are cancelled), and the command exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server that first stops the runner taking requests when a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, runner) -> None:
+        super().__init__(config)
+        self.runner = runner
+
+    def handle_exit(self, sig, frame) -> None:
+        """Refuse new requests (503), then let uvicorn drain the open connections and stop."""
+        self.runner.stop_accepting()
+        super().handle_exit(sig, frame)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to the `dspark` parser's subparsers; return it."""
+    from dspark.api import DRAFTER_NAMES
+
+    s = subparsers.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, metrics)")
+    s.add_argument("--target", default=None, help="target model folder (default: the bundled target)")
+    s.add_argument("--drafter", default="dspark", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    s.add_argument("--scheduler", default="dspark",
+                   help="none | fixed | fixed:K | threshold:θ | batch-table | dspark | dspark-async (default: dspark, "
+                        "which needs this setup's step-cost profile: --profile, the cache, or measured on start)")
+    s.add_argument("--profile", default=None, help="step-cost profile JSON for dspark / dspark-async")
+    s.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-running", type=int, default=64, help="requests decoding at once")
+    s.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 429")
+    s.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per step while decoding")
+    s.add_argument("--no-online-calibration", action="store_true",
+                   help="keep the drafter's offline calibration fixed (default: corrected online per workload)")
+    s.add_argument("--no-online-cost", action="store_true", help="do not correct the step-cost model online")
+    s.add_argument("--served-model-name", default=None,
+                   help="the `model` clients ask for (default: the target folder's name)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGTERM before they are cancelled")
+    s.set_defaults(func=cmd_serve)
+    return s
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM / SIGINT; return 0 after a graceful shutdown."""
+    from dspark.api import load_drafter, load_target, step_cost_model
+    from dspark.drafters.base import drafter_gamma
+    from dspark.engine import Engine, EngineConfig
+    from dspark.scheduling import Scheduler
+    from dspark.serving.app import create_app
+    from dspark.serving.metrics import ServerMetrics
+    from dspark.serving.runner import EngineRunner
+    from dspark.zoo import default_target_path
+
+    target = load_target(args.target, args.dtype, args.device)
+    drafter = load_drafter(args.drafter, target)
+    gamma = drafter_gamma(drafter)
+    scheduler = Scheduler(args.scheduler, gamma)
+    cost = step_cost_model(target, drafter, args.max_running, args.profile) if scheduler.needs_cost else None
+    calibrator = None
+    if not args.no_online_calibration and getattr(drafter, "calibration", None) is not None and gamma > 0:
+        from dspark.calibration.online import OnlineCalibrator
+
+        calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=gamma)
+    config = EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting,
+                          prefill_chunk=args.prefill_chunk, online_cost=not args.no_online_cost)
+    metrics = ServerMetrics()
+    engine = Engine(target, drafter, scheduler, cost, config, calibrator, on_step=metrics.observe_step)
+    metrics.watch(engine)
+    runner = EngineRunner(engine, on_outputs=metrics.observe_outputs)
+    name = args.served_model_name or Path(args.target or default_target_path()).name
+    app = create_app(runner, name, metrics)
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=args.shutdown_timeout), runner)
+    print(f"dspark: serving {name!r} at http://{args.host}:{args.port}/v1 (drafter {args.drafter}, scheduler "
+          f"{args.scheduler})", file=sys.stderr)
+    runner.start()
+    # uvicorn re-raises the signal it caught once it has stopped; a no-op handler makes that an exit 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        runner.shutdown(drain=False)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,130 @@
+"""Prometheus metrics of the server, in their own registry, named like vLLM's (prefix `dspark:`).
+
+Updated from the engine thread: `observe_step` is the engine's on_step callback, `observe_outputs` the
+runner's. Queue gauges and the calibration ECE are read when /metrics is scraped, off the hot path.
+
+- inter_token_latency_seconds: for each step that commits n tokens to a request after its first, the time
+  since its previous commit divided by n, observed once per token.
+- verified_tokens_per_step: draft tokens the target verified in one step (all rows).
+- prompt_tokens_total counts a request's prompt when it commits its first token.
+- spec_decode_num_drafts_total counts rows that verified at least one draft in a step; decode_rounds_total
+  counts every row of every decoding step, so τ = generation_tokens_total / decode_rounds_total.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dspark.engine import Engine, RequestOutput, StepInfo
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+log = logging.getLogger("dspark.serving")
+
+
+class ServerMetrics:
+    """The server's counters, gauges and histograms; `render()` gives the Prometheus text."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("dspark:num_requests_running", "Requests prefilling or decoding.", registry=r)
+        self.waiting = Gauge("dspark:num_requests_waiting", "Requests in the waiting queue.", registry=r)
+        self.prompt_tokens = Counter("dspark:prompt_tokens", "Prompt tokens of requests that started.", registry=r)
+        self.generation_tokens = Counter("dspark:generation_tokens", "Generated tokens.", registry=r)
+        self.success = Counter("dspark:request_success", "Finished requests by finish reason.",
+                               ["finished_reason"], registry=r)
+        self.ttft = Histogram("dspark:time_to_first_token_seconds", "Arrival to first committed token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dspark:inter_token_latency_seconds", "Time between commits per committed token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("dspark:e2e_request_latency_seconds", "Arrival to finish.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("dspark:step_time_seconds", "Engine step (prefill, drafting, verification).",
+                                   buckets=STEP_BUCKETS, registry=r)
+        self.rounds = Counter("dspark:decode_rounds", "Request rounds (rows of every decoding step, drafted or not).",
+                              registry=r)
+        self.num_drafts = Counter("dspark:spec_decode_num_drafts", "Rows that verified at least one draft.",
+                                  registry=r)
+        self.draft_tokens = Counter("dspark:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.accepted_tokens = Counter("dspark:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                       registry=r)
+        self.accepted_per_pos = Counter("dspark:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position (0-based).",
+                                        ["position"], registry=r)
+        self.verified = Histogram("dspark:verified_tokens_per_step", "Draft tokens verified in one step.",
+                                  buckets=TOKEN_BUCKETS, registry=r)
+        self.capacity = Gauge("dspark:scheduler_capacity", "The verification scheduler's last capacity.",
+                              registry=r)
+        self.ece = Gauge("dspark:calibration_ece", "Online calibration ECE of the served survival, per workload.",
+                         ["workload"], registry=r)
+        self._positions: list = []  # accepted_per_pos children, by position
+        self._last_commit: dict[int, float] = {}  # request seq → time of its last commit
+        self._calibrator = None
+
+    def watch(self, engine: Engine) -> None:
+        """Read the engine's queue lengths (and its online calibrator's ECE) at scrape time."""
+        self.running.set_function(lambda: len(engine.running) + len(engine.prefilling))
+        self.waiting.set_function(lambda: len(engine.waiting))
+        self._calibrator = engine.online_calibration
+
+    # ------------------------------------------------------------------ engine thread
+    def observe_step(self, info: StepInfo) -> None:
+        """Record one engine step (the engine's on_step callback; a failure here is logged, never raised)."""
+        try:
+            self._observe_step(info)
+        except Exception:  # noqa: BLE001 - raising inside engine.step would fail the step's requests
+            log.exception("step metrics failed")
+
+    def _observe_step(self, info: StepInfo) -> None:
+        self.step_time.observe(info.step_seconds or info.seconds)
+        self.rounds.inc(info.batch)
+        drafted = sum(info.lengths)
+        self.verified.observe(drafted)
+        if info.capacity is not None:
+            self.capacity.set(info.capacity)
+        if not drafted:
+            return
+        self.num_drafts.inc(sum(1 for n in info.lengths if n > 0))
+        self.draft_tokens.inc(drafted)
+        accepted = sum(info.accepted)
+        if accepted:
+            self.accepted_tokens.inc(accepted)
+        for a in info.accepted:
+            for k in range(a):
+                if k == len(self._positions):
+                    self._positions.append(self.accepted_per_pos.labels(position=str(k)))
+                self._positions[k].inc()
+
+    def observe_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        """Record what one step committed and which requests finished (the runner's on_outputs callback)."""
+        for out in outputs:
+            req, n = out.request, len(out.token_ids)
+            if n:
+                self.generation_tokens.inc(n)
+                last = self._last_commit.get(req.seq)
+                if last is None:
+                    self.prompt_tokens.inc(len(req.prompt_ids))
+                    if req.first_token_time is not None:
+                        self.ttft.observe(req.first_token_time - req.arrival_time)
+                else:
+                    gap = (now - last) / n
+                    for _ in range(n):
+                        self.itl.observe(gap)
+                self._last_commit[req.seq] = now
+            if out.finished:
+                self._last_commit.pop(req.seq, None)
+                self.success.labels(finished_reason=req.finish_reason or "unknown").inc()
+                self.e2e.observe((req.finish_time or now) - req.arrival_time)
+
+    # ------------------------------------------------------------------ scrape
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (refreshing the calibration ECE first)."""
+        if self._calibrator is not None:
+            for workload, state in self._calibrator.state_dict()["workloads"].items():
+                ece = state.get("ece")
+                if ece is not None and not (isinstance(ece, float) and math.isnan(ece)):
+                    self.ece.labels(workload=workload).set(ece)
+        return generate_latest(self.registry)

@@ -1,0 +1,292 @@
+"""The continuous-batching engine: staggered arrivals stay lossless, rows join and leave, admission, stops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dspark
+from dspark.api import encode_prompt
+from dspark.decoding import decode
+from dspark.drafters import NoDrafter
+from dspark.drafters.base import drafter_gamma
+from dspark.engine import Engine, EngineConfig, QueueFull, Request
+from dspark.engine.text import TextStream
+from dspark.evaluation.bench import load_eval_prompts
+from dspark.sampling import SamplingParams
+from dspark.scheduling import uniform_cost_model
+
+SCHEDULERS = ["none", "fixed", "fixed:3", "threshold:0.5", "batch-table", "dspark", "dspark-async"]
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled_target) -> list[list[int]]:
+    texts = [t for d in ("code", "prose", "math") for t in load_eval_prompts(d, 11)]
+    return [encode_prompt(bundled_target, t) for t in texts[:32]]
+
+
+@pytest.fixture(scope="module")
+def dspark_drafter(bundled_target):
+    return dspark.load_drafter("dspark", bundled_target)
+
+
+_reference_cache: dict = {}
+
+
+def standalone(target, prompt: list[int], max_tokens: int) -> list[int]:
+    """The request's target-only output, decoded alone."""
+    key = (tuple(prompt), max_tokens)
+    if key not in _reference_cache:
+        _reference_cache[key] = decode(target, NoDrafter(), [prompt], max_new_tokens=max_tokens)[0].token_ids
+    return _reference_cache[key]
+
+
+def run_staggered(engine: Engine, requests: list[Request], arrivals: list[int], watch=None) -> int:
+    """Add request i at step arrivals[i]; step until all finish; return the number of steps."""
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    step = 0
+    while order or engine.has_work:
+        while order and arrivals[order[0]] <= step:
+            engine.add(requests[order.pop(0)])
+        outs = engine.step()
+        if watch is not None:
+            watch(engine, outs)
+        step += 1
+        assert step < 2000, "the engine stopped making progress"
+    return step
+
+
+def mixed_requests(prompts, n: int, seed: int = 0) -> list[Request]:
+    """Greedy (even) and sampled (odd) requests of different lengths."""
+    lengths = [6, 11, 17, 24]
+    return [
+        Request(prompts[i], SamplingParams() if i % 2 == 0 else SamplingParams(1.0, seed=seed + i),
+                max_tokens=lengths[i % len(lengths)])
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_staggered_arrivals_greedy_identical_every_scheduler(scheduler, bundled_target, dspark_drafter, prompts):
+    """32 requests arriving over time (chunked prefill, a waiting queue, mixed greedy / sampled neighbours):
+    every greedy request's output equals its standalone target-only output."""
+    gamma = drafter_gamma(dspark_drafter)
+    cost = uniform_cost_model(gamma, per_token=0.05, draft_share=0.3)  # capacity binds: rows get cut
+    config = EngineConfig(max_running=12, prefill_chunk=24)
+    engine = Engine(bundled_target, dspark_drafter, scheduler, cost, config)
+    requests = mixed_requests(prompts, 32)
+    arrivals = [i // 3 for i in range(32)]
+    peak = []
+    run_staggered(engine, requests, arrivals, lambda e, _: peak.append(len(e.running) + len(e.prefilling)))
+    assert max(peak) == 12  # the queue was used and admission held the limit
+    for req in requests:
+        assert req.finish_reason in ("stop", "length")
+        if req.sampling.greedy:
+            assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens), req.request_id
+        else:
+            assert 0 < len(req.output_ids) <= req.max_tokens
+    drafts = [r.draft_len for req in requests for r in req.rounds]
+    if scheduler == "none":
+        assert max(drafts) == 0
+    elif scheduler in ("dspark", "dspark-async", "threshold:0.5", "fixed:3"):
+        cut = [r for req in requests for r in req.rounds if r.available and 0 < r.draft_len < r.available]
+        assert cut or scheduler == "dspark-async", "the scheduler never verified part of a block"
+        assert max(drafts) > 0
+    assert engine.target.batch_size == 0 and engine.reserved == 0
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-model", "dflash", "dspark-rnn", "eagle3"])
+def test_staggered_arrivals_every_drafter(name, bundled_target, prompts):
+    """Rows join every kind of drafter's state between steps and leave it when done."""
+    drafter = dspark.load_drafter(name, bundled_target)
+    engine = Engine(bundled_target, drafter, "fixed", config=EngineConfig(max_running=5, prefill_chunk=16))
+    requests = mixed_requests(prompts[5:17], 12, seed=3)
+    run_staggered(engine, requests, [i // 2 for i in range(12)])
+    for req in requests:
+        if req.sampling.greedy:
+            assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens), (name, req.request_id)
+    assert any(r.accepted > 0 for req in requests for r in req.rounds), name
+
+
+def test_seeded_sampled_request_ignores_its_neighbours(bundled_target, dspark_drafter, prompts):
+    """A seeded sampled request gives the same tokens alone and among other requests, under the schedulers
+    whose decision for a row never reads the batch (adaptive ones trade that for throughput: their ℓ_r
+    depends on the neighbours, so only the distribution is the same; a replay of the same arrivals is)."""
+    for scheduler in ("fixed", "none"):
+        alone = Engine(bundled_target, dspark_drafter, scheduler).run(
+            [Request(prompts[4], SamplingParams(1.0, top_p=0.9, seed=11), max_tokens=20)])[0]
+        engine = Engine(bundled_target, dspark_drafter, scheduler, config=EngineConfig(prefill_chunk=8))
+        target = Request(prompts[4], SamplingParams(1.0, top_p=0.9, seed=11), max_tokens=20)
+        others = mixed_requests(prompts[10:16], 6, seed=40)
+        run_staggered(engine, others[:3] + [target] + others[3:], [0, 0, 1, 2, 2, 3, 5])
+        assert target.output_ids == alone.output_ids, scheduler
+    replays = []
+    for _ in range(2):
+        config = EngineConfig(prefill_chunk=8, online_cost=False)
+        engine = Engine(bundled_target, dspark_drafter, "dspark", uniform_cost_model(7, per_token=0.05), config)
+        reqs = mixed_requests(prompts[10:17], 7, seed=40)
+        run_staggered(engine, reqs, [0, 0, 1, 2, 2, 3, 5])
+        replays.append([r.output_ids for r in reqs])
+    assert replays[0] == replays[1]
+
+
+def test_cancel_frees_the_row_in_the_next_step(bundled_target, dspark_drafter, prompts):
+    engine = Engine(bundled_target, dspark_drafter, "fixed")
+    requests = [Request(prompts[i], max_tokens=40) for i in range(3)]
+    for req in requests:
+        engine.add(req)
+    engine.step()
+    engine.step()
+    reserved = engine.reserved
+    engine.cancel(requests[1].request_id)
+    outs = engine.step()
+    assert requests[1].finish_reason == "cancelled" and requests[1].state == "finished"
+    assert any(o.request is requests[1] and o.finished for o in outs)
+    assert requests[1] not in engine.running
+    assert engine.target.batch_size == 2 and engine.drafter.ctx.lengths.shape[0] == 2
+    assert engine.reserved == reserved - engine._reservation(requests[1])
+    while engine.has_work:
+        engine.step()
+    for i in (0, 2):  # the neighbours are untouched
+        assert requests[i].output_ids == standalone(bundled_target, prompts[i], 40)
+    waiting = Request(prompts[3], max_tokens=5)
+    engine2 = Engine(bundled_target, dspark_drafter, "fixed", config=EngineConfig(max_running=1))
+    engine2.add(Request(prompts[2], max_tokens=5))
+    engine2.add(waiting)
+    engine2.cancel(waiting.request_id)
+    engine2.step()
+    assert waiting.finish_reason == "cancelled" and not engine2.waiting
+
+
+def test_long_prompt_prefills_in_chunks_without_stalling_running_requests(bundled_target, dspark_drafter, prompts):
+    # no EOS: the short requests keep running for the whole prefill
+    engine = Engine(bundled_target, dspark_drafter, "fixed", config=EngineConfig(prefill_chunk=16),
+                    eos_token_ids=frozenset())
+    short = [Request(prompts[i], max_tokens=120) for i in range(2)]
+    long_prompt = sum((prompts[i] for i in range(6, 12)), [])[:300]
+    late = Request(long_prompt, max_tokens=8)
+    for req in short:
+        engine.add(req)
+    engine.step()
+    engine.add(late)
+    prefill_steps = 0
+    while late.state in ("waiting", "prefilling"):
+        before = [len(r.output_ids) for r in short]
+        infos = []
+        engine.on_step = infos.append
+        engine.step()
+        prefill_steps += 1
+        assert infos[0].prefill_tokens <= 16
+        assert all(len(r.output_ids) > b for r, b in zip(short, before) if not r.finished)  # never stalled
+    assert prefill_steps >= (len(long_prompt) - 1) // 16
+    while engine.has_work:
+        engine.step()
+    reference = decode(bundled_target, NoDrafter(), [long_prompt], max_new_tokens=8, eos_token_ids=frozenset())
+    assert late.output_ids == reference[0].token_ids
+
+
+def test_admission_limits_and_bad_requests(bundled_target, dspark_drafter, prompts):
+    reserve = len(prompts[0]) + 10 + drafter_gamma(dspark_drafter) + 1
+    config = EngineConfig(max_running=8, max_waiting=3, kv_budget_tokens=2 * reserve + 5)
+    engine = Engine(bundled_target, dspark_drafter, "fixed", config=config)
+    reqs = [Request(prompts[0], max_tokens=10) for _ in range(3)]
+    for r in reqs:
+        engine.add(r)
+    with pytest.raises(QueueFull, match="limit 3"):
+        engine.add(Request(prompts[0], max_tokens=10))
+    engine.step()
+    assert len(engine.running) + len(engine.prefilling) == 2 and len(engine.waiting) == 1  # the KV budget binds
+    while engine.has_work:
+        engine.step()
+    assert all(r.finish_reason in ("stop", "length") for r in reqs)
+    limit = bundled_target.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="context"):
+        engine.add(Request(prompts[0], max_tokens=limit))
+    with pytest.raises(ValueError, match="KV budget"):
+        engine.add(Request(prompts[0], max_tokens=3 * reserve))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add(Request([], max_tokens=3))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add(Request([10**7], max_tokens=3))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add(Request(prompts[0], max_tokens=0))
+    with pytest.raises(ValueError, match="max_running"):
+        EngineConfig(max_running=0)
+
+
+def test_speculation_off_and_draft_cap_per_request(bundled_target, dspark_drafter, prompts):
+    engine = Engine(bundled_target, dspark_drafter, "fixed")
+    off = Request(prompts[0], max_tokens=16, speculate=False)
+    capped = Request(prompts[1], max_tokens=16, max_draft=2)
+    free = Request(prompts[2], max_tokens=16)
+    engine.run([off, capped, free])
+    assert all(r.draft_len == 0 for r in off.rounds) and len(off.rounds) == 16
+    assert max(r.draft_len for r in capped.rounds) == 2
+    assert max(r.draft_len for r in free.rounds) > 2
+    for req in (off, capped, free):
+        assert req.output_ids == standalone(bundled_target, req.prompt_ids, 16)
+
+
+def test_ignore_eos_and_stop_token_ids_beside_neighbours(bundled_target, dspark_drafter, prompts):
+    eos_first = encode_prompt(bundled_target, "def add(a, b):", chat=False)  # greedy: EOS comes first
+    through = decode(bundled_target, NoDrafter(), [eos_first], max_new_tokens=20, eos_token_ids=frozenset())[0]
+    ref = standalone(bundled_target, prompts[3], 24)
+    stop_id = ref[9]
+    engine = Engine(bundled_target, dspark_drafter, "fixed")
+    plain = Request(eos_first, max_tokens=20)
+    ignoring = Request(eos_first, max_tokens=20, ignore_eos=True)
+    stopped = Request(prompts[3], max_tokens=24, stop_token_ids=frozenset({stop_id}))
+    neighbour = Request(prompts[4], max_tokens=24)
+    engine.run([plain, ignoring, stopped, neighbour])
+    assert plain.finish_reason == "stop" and plain.output_ids == through.token_ids[:1]
+    assert ignoring.finish_reason == "length" and ignoring.output_ids == through.token_ids
+    assert ignoring.output_ids[0] in bundled_target.eos_token_ids  # it went on past an EOS
+    assert sum(r.accepted for r in ignoring.rounds) > 0  # with drafts accepted, so verify saw the EOS too
+    assert stopped.finish_reason == "stop" and stopped.output_ids == ref[: ref.index(stop_id) + 1]
+    assert neighbour.output_ids == standalone(bundled_target, prompts[4], 24)
+
+
+def test_stop_strings_across_token_boundaries(bundled_target, dspark_drafter, prompts):
+    tok = bundled_target.tokenizer
+    ref = standalone(bundled_target, prompts[0], 24)
+    pieces = [tok.decode(ref[:n], skip_special_tokens=True) for n in range(len(ref) + 1)]
+    # a stop string that starts inside token 8's text and ends inside token 10's
+    a, b = pieces[7], pieces[10]
+    start = len(a) + max(0, (len(pieces[8]) - len(a)) // 2)
+    stop = b[start : len(pieces[9]) + 1]
+    assert len(stop) >= 2
+    engine = Engine(bundled_target, dspark_drafter, "fixed")
+    req = Request(prompts[0], max_tokens=24, stop=[stop, "never-in-the-text"])
+    engine.add(req)
+    deltas = []
+    while engine.has_work:
+        deltas += [o.text for o in engine.step() if o.request is req]
+    full = pieces[-1]
+    assert req.finish_reason == "stop"
+    assert req.text == full[: full.find(stop)]
+    assert "".join(deltas) == req.text  # the stream never sent the start of the stop string
+    assert req.output_ids == ref[: len(req.output_ids)]
+    assert stop in tok.decode(req.output_ids) and stop not in tok.decode(req.output_ids[:-1])
+
+
+def test_text_stream_holds_back_incomplete_characters(bundled_target):
+    tok = bundled_target.tokenizer
+    ids = tok("é漢字 ok", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tok)
+    out = ""
+    for n in range(1, len(ids) + 1):
+        delta, hit = stream.update(ids[:n])
+        assert "\ufffd" not in delta and not hit
+        out += delta
+    out += stream.flush()
+    assert out == "é漢字 ok"
+
+
+def test_decode_runs_through_the_engine(bundled_target, dspark_drafter, prompts):
+    """decode is the engine with every request arriving at once: same results as a hand-driven engine."""
+    params = [SamplingParams(), SamplingParams(1.0, seed=5)]
+    res = decode(bundled_target, dspark_drafter, prompts[:2], params, max_new_tokens=12)
+    reqs = Engine(bundled_target, dspark_drafter, "fixed").run(
+        [Request(prompts[i], params[i], max_tokens=12) for i in range(2)])
+    assert [r.token_ids for r in res] == [r.output_ids for r in reqs]
+    assert [len(r.rounds) for r in res] == [len(r.rounds) for r in reqs]
+    assert torch.equal(bundled_target.lengths, torch.zeros(0, dtype=torch.long))
