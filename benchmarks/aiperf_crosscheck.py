@@ -69,8 +69,10 @@ def main() -> int:
                                     profile=None, start_timeout=900.0, max_tokens=args.max_tokens,
                                     requests_per_client=max(3, int(args.duration * 2 / args.concurrency)))
     base = f"http://127.0.0.1:{args.port}"
-    proc = serve_sweep.start_server(args.scheduler, sweep_args, out / "aiperf_server.log")
+    log = out / "aiperf_server.log"
+    proc = serve_sweep.start_server(args.scheduler, args.port, sweep_args, log)
     try:
+        serve_sweep.wait_healthy(proc, args.scheduler, base, sweep_args, log)
         model = serve_sweep.httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
         cmd = [args.aiperf, "profile", "--model", model, "--tokenizer", str(default_target_path()), "--url", base,

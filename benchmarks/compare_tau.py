@@ -8,8 +8,8 @@ prints macro τ ± its standard error and the ratio to the reference:
 from __future__ import annotations
 
 import argparse
-import json
 
+from dspark.evaluation.bench import load_results
 from dspark.evaluation.metrics import macro_tau, paired_tau_ratio
 
 
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--reference", required=True, help="drafter the others are divided by, e.g. eagle3")
     ap.add_argument("--draws", type=int, default=2000)
     args = ap.parse_args()
-    d = json.load(open(args.bench_json))
+    d = load_results(args.bench_json)
     se = {(m["temperature"], m["drafter"]): m.get("tau_se") for m in d["macro"]}
     for temp in sorted({r["temperature"] for r in d["runs"]}):
         ref = per_domain(d["runs"], temp, args.reference)

@@ -4,16 +4,17 @@
         [--temperatures 0 1] [--concurrency 1 2 4 8 16 32 64] [--requests-per-client 3] [--max-tokens 64]
         [--repeats 2] [--drafter dspark] [--profile FILE] [--out DIR] [--port 8123]
 
-Per arm the script starts `dspark serve --scheduler ARM` (same target, same drafter everywhere) in its own
-process, waits for /health, and per temperature, concurrency and repeat runs C clients, each sending
+The script starts one `dspark serve --scheduler ARM` per arm (same target, same drafter everywhere; each
+its own process and port; an idle server takes no CPU) and then, per repeat, temperature and concurrency,
+drives the arms in turn (so drifts of the machine fall on every arm alike) with C clients, each sending
 streaming chat completions back to back (a closed loop) over the bundled held-out prompts with the official
 `openai` async client (one Python process, one thread: on 2 cores a multi-process load generator would take
-the server's CPU; `--aiperf` cross-checks one cell with NVIDIA's aiperf instead). Every request asks for
+the server's CPU; `benchmarks/aiperf_crosscheck.py` cross-checks one cell against NVIDIA's aiperf). Every request asks for
 exactly --max-tokens tokens (`ignore_eos`), so every arm produces the same work.
 
 Figures per arm and cell (a cell: arm, temperature, concurrency, repeat):
-- output tok/s: tokens committed while all C clients were past their warm-up request and none had finished
-  its last one (the steady window; each request's tokens are spread evenly over its decoding time);
+- output tok/s: tokens committed while all C clients were decoding and none had finished its last request
+  (the steady window; each request's tokens are spread evenly over its decoding time);
 - per-user tok/s: each measured request's decoding speed (tokens − 1) / (last − first token), median and
   p10; TTFT and TPOT p50 / p99;
 - τ, verified draft tokens and wasted (verified − accepted) per step, from the server's /metrics.
@@ -72,21 +73,24 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
-def start_server(arm: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    """Start `dspark serve` for one scheduler and wait until /health answers."""
+def start_server(arm: str, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    """Start `dspark serve` for one scheduler on `port` (does not wait for it)."""
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--scheduler", arm, "--drafter", args.drafter,
-           "--port", str(args.port), "--max-running", str(max(args.concurrency))]
+           "--port", str(port), "--max-running", str(max(args.concurrency))]
     if args.profile:
         cmd += ["--profile", args.profile]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{args.port}"
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_healthy(proc: subprocess.Popen, arm: str, base: str, args: argparse.Namespace, log: Path) -> None:
+    """Wait until the server answers /health; raise naming its log when it exits or never answers."""
     deadline = time.time() + args.start_timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"dspark serve --scheduler {arm} exited ({proc.returncode}); see {log}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)
@@ -143,15 +147,20 @@ async def closed_loop(base: str, model: str, prompts: list[str], concurrency: in
 
 
 def cell_figures(clients: list[list[dict]]) -> dict:
-    """Steady-window throughput and per-request latency figures of one cell (first request per client: warm-up)."""
-    t0 = max(c[0]["end"] for c in clients)  # every client is past its warm-up
-    t1 = min(c[-1]["end"] for c in clients)  # no client has finished yet
-    measured = [r for c in clients for r in c[1:]]
+    """Steady-window throughput and per-request latency figures of one cell.
+
+    The window runs from the moment every client's first request is decoding (the burst of first prefills
+    is over) to the moment the first client finishes its last request (after that fewer than C requests
+    are in flight); every request's tokens are spread evenly over its decoding time and counted where they
+    fall in the window. Latency figures come from the requests after each client's first (warm-up)."""
+    t0 = max(c[0]["first"] for c in clients)
+    t1 = min(c[-1]["end"] for c in clients)
     window_tokens = 0.0
-    for r in measured:
+    for r in (r for c in clients for r in c):
         span = max(r["end"] - r["first"], 1e-9)
         overlap = max(0.0, min(r["end"], t1) - max(r["first"], t0))
         window_tokens += (r["tokens"] - 1) * overlap / span
+    measured = [r for c in clients for r in c[1:]]
     per_user = [(r["tokens"] - 1) / max(r["end"] - r["first"], 1e-9) for r in measured if r["tokens"] > 1]
     ttft = [r["first"] - r["start"] for r in measured]
     tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in measured if r["tokens"] > 1]
@@ -179,37 +188,55 @@ def server_figures(before: dict, after: dict) -> dict:
     }
 
 
+def machine() -> dict:
+    """CPU model, core count and torch version of this run (profiles and figures depend on them)."""
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+
+
 def run(args: argparse.Namespace) -> dict:
+    """Every arm's server runs at once (idle ones wait on a condition and take no CPU); the cells go round
+    robin over the arms inside each (repeat, temperature, concurrency), so slow drifts of the machine and
+    other load fall on every arm alike instead of on whichever arm ran at the time."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [p for d in ("code", "prose", "math") for p in load_eval_prompts(d, args.prompts)]
-    base = f"http://127.0.0.1:{args.port}"
     path = out / "serve_sweep.json"
     results = json.loads(path.read_text()) if path.exists() and args.resume else {"cells": []}
     results["command"] = "python benchmarks/serve_sweep.py " + " ".join(sys.argv[1:])
     results["settings"] = {k: v for k, v in vars(args).items()}
+    results["machine"] = machine()
     done = {(c["arm"], c["temperature"], c["concurrency"], c["repeat"]) for c in results["cells"]}
-    for arm in args.arms:
-        todo = [(t, c, r) for t in args.temperatures for c in args.concurrency for r in range(args.repeats)
-                if (arm, t, c, r) not in done]
-        if not todo:
-            continue
-        proc = start_server(arm, args, out / f"server_{arm.replace(':', '_')}.log")
-        try:
-            model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-            asyncio.run(closed_loop(base, model, prompts, 2, args, 0.0, 0))  # warm the server up
-            for temperature, conc, rep in todo:
-                before = scrape(base)
-                clients = asyncio.run(closed_loop(base, model, prompts, conc, args, temperature, rep))
-                cell = {"arm": arm, "temperature": temperature, "concurrency": conc, "repeat": rep,
-                        **cell_figures(clients), **server_figures(before, scrape(base))}
-                results["cells"].append(cell)
-                print(f"{arm:>14} T={temperature:g} c={conc:>3} r={rep}: {cell['throughput']:7.1f} tok/s, "
-                      f"per-user {cell['per_user_median']:6.1f} (p10 {cell['per_user_p10']:6.1f}), "
-                      f"TTFT p50 {cell['ttft_p50'] * 1e3:6.0f} ms, τ {cell['tau']:.2f}, "
-                      f"verified/step {cell['verified_per_step']:.1f}", flush=True)
-                path.write_text(json.dumps(results, indent=1))
-        finally:
+    todo = [(r, t, c, arm) for r in range(args.repeats) for t in args.temperatures for c in args.concurrency
+            for arm in args.arms if (arm, t, c, r) not in done]
+    arms = list(dict.fromkeys(arm for *_, arm in todo))
+    bases = {arm: f"http://127.0.0.1:{args.port + i}" for i, arm in enumerate(arms)}
+    logs = {arm: out / f"server_{arm.replace(':', '_')}.log" for arm in arms}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for i, arm in enumerate(arms):  # one at a time: starting (and profiling) in parallel would skew both
+            procs[arm] = start_server(arm, args.port + i, args, logs[arm])
+            wait_healthy(procs[arm], arm, bases[arm], args, logs[arm])
+        models = {arm: httpx.get(f"{bases[arm]}/v1/models", timeout=10).json()["data"][0]["id"] for arm in arms}
+        for arm in arms:  # warm each server up
+            asyncio.run(closed_loop(bases[arm], models[arm], prompts, 2, args, 0.0, 0))
+        for rep, temperature, conc, arm in todo:
+            base = bases[arm]
+            before = scrape(base)
+            clients = asyncio.run(closed_loop(base, models[arm], prompts, conc, args, temperature, rep))
+            cell = {"arm": arm, "temperature": temperature, "concurrency": conc, "repeat": rep,
+                    **cell_figures(clients), **server_figures(before, scrape(base))}
+            results["cells"].append(cell)
+            print(f"{arm:>14} T={temperature:g} c={conc:>3} r={rep}: {cell['throughput']:7.1f} tok/s, "
+                  f"per-user {cell['per_user_median']:6.1f} (p10 {cell['per_user_p10']:6.1f}), "
+                  f"TTFT p50 {cell['ttft_p50'] * 1e3:6.0f} ms, τ {cell['tau']:.2f}, "
+                  f"verified/step {cell['verified_per_step']:.1f}", flush=True)
+            path.write_text(json.dumps(results, indent=1))
+    finally:
+        for proc in procs.values():
             stop_server(proc)
     return results
 

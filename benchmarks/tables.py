@@ -4,8 +4,9 @@
 """
 from __future__ import annotations
 
-import json
 import sys
+
+from dspark.evaluation.bench import load_results
 
 
 def _se(row: dict) -> str:
@@ -14,7 +15,7 @@ def _se(row: dict) -> str:
 
 
 def main() -> None:
-    d = json.load(open(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/bench.json"))
+    d = load_results(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/bench.json")
     print("| T | drafter | τ | ± se | speedup |\n|---|---|---|---|---|")
     for m in d["macro"]:
         print(f"| {m['temperature']:.1f} | {m['drafter']} | {m['tau']:.2f} | {_se(m)} | {m['speedup']:.2f}x |")

@@ -1,7 +1,6 @@
 """The Python API that mirrors the CLI: load a target and a drafter, generate text from prompts."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -10,6 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from dspark.arguments import check_int, check_text, resolve_device
+from dspark.atomic import NO_PICKLE, FileReadError, open_safetensors, pickle_files, read_json
 from dspark.decoding import GenerationResult, decode, drafter_gamma
 from dspark.drafters.base import Drafter, NoDrafter
 from dspark.drafters.draft_model import DraftModelDrafter
@@ -37,13 +38,30 @@ def load_causal_lm(
     path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu", feature_layers: Sequence[int] = ()
 ) -> CausalLM:
     """Load an HF causal LM and its tokenizer from a local folder into a `CausalLM`."""
+    resolve_dtype(dtype)
+    resolve_device(device)  # an unknown or absent device fails naming it, before anything is read
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no model at {path}: expected a Hugging Face folder with config.json")
+    check_model_files(path)
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), use_safetensors=True).to(device)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     return CausalLM(model, tokenizer, feature_layers=feature_layers)
+
+
+def check_model_files(path: Path) -> None:
+    """Fail naming the file unless the HF folder's config.json parses and its weights are readable
+    safetensors (pickled .bin/.pt weights are refused, never unpickled)."""
+    read_json(path / "config.json", "model config")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        others = pickle_files(path)
+        raise FileReadError(f"model folder {path} has no .safetensors weights"
+                            + (f", only {', '.join(others)}" if others else "") + f": {NO_PICKLE}")
+    for file in weights:
+        with open_safetensors(file, "model weights"):
+            pass
 
 
 def load_target(
@@ -79,7 +97,13 @@ def load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None =
     calibration: "auto" picks up `calibration.json` beside the checkpoint (for n-gram: zoo/ngram/), ignoring
     with a warning one fitted for another drafter or target; a path loads that file and fails on any
     mismatch; None uses no calibration (the confidence head as is, or a constant prior).
+    gamma and bias_candidates: None (the drafter's own) or a positive integer; a bad value fails naming it.
     """
+    if not isinstance(name_or_path, (str, Path)):
+        raise ValueError(f"name_or_path must be a drafter name ({', '.join(DRAFTER_NAMES)}) or a checkpoint folder, "
+                         f"got {name_or_path!r}")
+    gamma = None if gamma is None else check_int("gamma", gamma, 1)
+    bias_candidates = None if bias_candidates is None else check_int("bias_candidates", bias_candidates, 1)
     drafter = _load_drafter(name_or_path, target, gamma, bias_candidates)
     drafter.calibration = None
     if calibration is None or isinstance(drafter, NoDrafter):
@@ -131,7 +155,9 @@ def _load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None 
         )
     if not (path / "config.json").exists():
         raise ValueError(f"drafter path {path} has no config.json")
-    raw = json.loads((path / "config.json").read_text())
+    from dspark.checkpoints import read_config
+
+    raw = read_config(path)
     if "dflash_config" in raw or "markov_rank" in raw or "Qwen3DSparkModel" in (raw.get("architectures") or []):
         from dspark.checkpoints import load_block_drafter_model
         from dspark.drafters.block import BlockDrafter
@@ -140,7 +166,7 @@ def _load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None 
         drafter = BlockDrafter(model, target, name=path.name, max_drafts=gamma, bias_candidates=bias_candidates)
         drafter.source_path = path
         return drafter
-    if (raw.get("architectures") or [""])[0] in ("Qwen3Eagle3Model", "Eagle3DraftModel"):
+    if (raw.get("architectures") or [""])[0] in ("Qwen3Eagle3Model", "Eagle3DraftModel", "Eagle3Speculator"):
         from dspark.checkpoints import load_eagle3_model
         from dspark.drafters.eagle3 import Eagle3Drafter
 
@@ -172,8 +198,7 @@ def encode_prompt(target: CausalLM, prompt: str, chat: bool = True) -> list[int]
     """Tokenize a prompt, wrapped in the chat template as a user turn when `chat` is set."""
     if target.tokenizer is None:
         raise ValueError("the target has no tokenizer; pass token ids to dspark.decoding.decode instead")
-    if not prompt:
-        raise ValueError("the prompt is empty")
+    check_text("prompt", prompt)
     tok = target.tokenizer
     if chat and tok.chat_template:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
@@ -206,7 +231,13 @@ def generate(
     """
     if isinstance(prompts, str):
         prompts = [prompts]
-    ids = [encode_prompt(target, p, chat) for p in prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(f"prompts must be a string or a non-empty list of strings, got {prompts!r:.80}")
+    check_int("max_new_tokens", max_new_tokens, 1)
+    if seed is not None:
+        check_int("seed", seed)  # its range: SamplingParams
+    ids = [encode_prompt(target, check_text("prompt" if len(prompts) == 1 else f"prompts[{i}]", p), chat)
+           for i, p in enumerate(prompts)]
     params = [
         SamplingParams(temperature, top_k, top_p, None if seed is None else seed + i) for i in range(len(ids))
     ]

@@ -17,8 +17,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from dspark.atomic import (NO_PICKLE, FileReadError, load_safetensors, pickle_files, read_json,
+                           save_safetensors_atomic, write_text_atomic)
 from dspark.drafters.block import DSparkModel
 from dspark.drafters.dflash_model import DFlashConfig
 from dspark.quantize import dequantize_state_dict, quantization_config, quantize_state_dict
@@ -114,17 +115,34 @@ def _weights(model, dtype: torch.dtype | None, int8: bool = False) -> dict[str, 
 
 
 def _write(path: Path, cfg: dict, model, dtype: torch.dtype | None, int8: bool) -> None:
-    """config.json (with a quantization_config when int8) and model.safetensors."""
+    """model.safetensors, then config.json (with a quantization_config when int8), each atomically."""
     if int8:
         cfg = {**cfg, "quantization_config": quantization_config()}
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file(_weights(model, dtype, int8), str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors_atomic(path / "model.safetensors", _weights(model, dtype, int8), metadata={"format": "pt"})
+    write_text_atomic(path / "config.json", json.dumps(cfg, indent=2) + "\n")
+
+
+def read_config(path: Path) -> dict:
+    """The drafter folder's config.json; a missing or malformed one raises FileReadError naming the file."""
+    raw = read_json(path / "config.json", "drafter config")
+    if not isinstance(raw, dict):
+        raise FileReadError(f"drafter config {path / 'config.json'} is not a JSON object")
+    return raw
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """path/model.safetensors; a folder holding only pickled weights is refused, never unpickled."""
+    file = path / "model.safetensors"
+    pickled = pickle_files(path)
+    if not file.exists() and pickled:
+        raise FileReadError(f"drafter folder {path} has no model.safetensors, only {', '.join(pickled)}: {NO_PICKLE}")
+    return load_safetensors(file, "drafter weights")[0]
 
 
 def _load_weights(model: torch.nn.Module, path: Path, target: CausalLM) -> torch.nn.Module:
     """Fill `model` from path/model.safetensors; frozen target copies (embed_tokens, lm_head) are checked
     against the target's shapes and dropped, since the target's own modules are used."""
-    weights = dequantize_state_dict(load_file(str(path / "model.safetensors")))
+    weights = dequantize_state_dict(_read_weights(path))
     shapes = {"embed_tokens.weight": tuple(target.model.get_input_embeddings().weight.shape),
               "lm_head.weight": tuple(target.model.get_output_embeddings().weight.shape)}
     for key in SHARED_KEYS:
@@ -176,7 +194,7 @@ def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, e
 def load_block_drafter_model(path: str | Path, target: CausalLM) -> DSparkModel:
     """Load a DeepSpec / dspark / z-lab block drafter for `target`, checking that it fits."""
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_config(path)
     cfg = block_config_from_dict(raw)
     check_fits_target(cfg, target, raw.get("num_target_layers"))
     return _load_weights(DSparkModel(cfg), path, target)
@@ -207,7 +225,8 @@ def export_speculators(
         "transformer_layer_config": {**shape_dict(c), "num_hidden_layers": c.num_hidden_layers},
         "draft_vocab_size": c.vocab_size,
         "target_hidden_size": int(tcfg.hidden_size),
-        "aux_hidden_state_layer_ids": list(c.target_layer_ids),
+        # HF hidden-state indices (0 = the embedding output), as speculators and vLLM count them
+        "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
         "sample_from_anchor": c.slot_convention == "next",
     }
     if method == "dspark":
@@ -263,12 +282,33 @@ def save_eagle3_drafter(model, path: str | Path, target: CausalLM, target_name: 
     return path
 
 
+def eagle3_fields_from_speculators(raw: dict) -> dict:
+    """A vLLM speculators EAGLE-3 config (`speculators_model_type: "eagle3"`, as `dspark export` writes) as
+    DeepSpec-layout fields; any other config is returned as is. Its aux layer ids count HF hidden states
+    (0 = the embedding output), so target_layer_ids = aux id − 1. Variants dspark does not run are refused."""
+    if raw.get("speculators_model_type") != "eagle3":
+        return raw
+    layer = raw["transformer_layer_config"]
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        if raw.get(flag):
+            raise ValueError(f"speculators EAGLE-3 checkpoint sets {flag}, which dspark's EAGLE-3 drafter lacks")
+    if raw.get("draft_vocab_size", layer["vocab_size"]) != layer["vocab_size"]:
+        raise ValueError(f"speculators EAGLE-3 checkpoint has a reduced draft vocabulary (draft_vocab_size "
+                         f"{raw['draft_vocab_size']} < {layer['vocab_size']}); dspark drafts over the full vocabulary")
+    if not raw.get("eagle_aux_hidden_state_layer_ids"):
+        raise ValueError("speculators EAGLE-3 checkpoint lacks eagle_aux_hidden_state_layer_ids")
+    proposals = (raw.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return {**layer, "draft_num_hidden_layers": layer.get("num_hidden_layers", 1),
+            "target_layer_ids": [int(i) - 1 for i in raw["eagle_aux_hidden_state_layer_ids"]],
+            "ttt_length": proposals[0].get("speculative_tokens", 7)}
+
+
 def load_eagle3_model(path: str | Path, target: CausalLM):
-    """Load a DeepSpec / dspark EAGLE-3 drafter for `target`, checking that it fits."""
+    """Load a DeepSpec / dspark / speculators-format EAGLE-3 drafter for `target`, checking that it fits."""
     from dspark.drafters.eagle3 import Eagle3Model
 
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = eagle3_fields_from_speculators(read_config(path))
     cfg = eagle3_config_from_dict(raw)
     problems = _check_common(cfg.hidden_size, cfg.vocab_size, cfg.target_layer_ids, target, raw.get("num_target_layers"))
     if problems:

@@ -7,16 +7,23 @@ import sys
 import time
 
 from dspark.api import DRAFTER_NAMES, generate, load_drafter, load_target
+from dspark.arguments import (Parser, device_arg, domain_arg, drafter_arg, existing_path_arg, int_arg, real_arg,
+                              scheduler_arg)
+
+POSITIVE = int_arg(1)
+COUNT = int_arg(0)
+TEMPERATURE = real_arg(0.0)
+TOP_P = real_arg(0.0, 1.0, low_open=True)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model folder (default: the bundled target)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    p.add_argument("--gamma", type=int, default=None, help="draft tokens per round (drafter default if unset)")
+    p.add_argument("--device", default="cpu", type=device_arg, help="torch device, e.g. cpu or cuda")
+    p.add_argument("--gamma", type=POSITIVE, default=None, help="draft tokens per round (drafter default if unset)")
     p.add_argument("--calibration", default="auto",
                    help="survival calibration JSON (default: calibration.json beside the drafter; 'none': uncalibrated)")
-    p.add_argument("--bias-candidates", type=int, default=None,
+    p.add_argument("--bias-candidates", type=POSITIVE, default=None,
                    help="DSpark's Markov bias on each slot's top-K base logits only (default: the whole vocabulary); "
                         "exact, but it lowers the bundled drafter's tau (benchmarks/results/rank/)")
 
@@ -47,10 +54,10 @@ def _calibration_arg(args: argparse.Namespace):
 def _add_scheduler_args(p: argparse.ArgumentParser, many: bool = False) -> None:
     help_names = "none | fixed | fixed:K | threshold:θ | batch-table[:B=K,...] | dspark | dspark-async"
     if many:
-        p.add_argument("--schedulers", nargs="+", default=["fixed"],
+        p.add_argument("--schedulers", nargs="+", default=["fixed"], type=scheduler_arg,
                        help=f"schedulers to compare, each with every drafter: {help_names} (default: fixed, the whole block)")
     else:
-        p.add_argument("--scheduler", default="fixed",
+        p.add_argument("--scheduler", default="fixed", type=scheduler_arg,
                        help=f"how many drafts each request verifies per step: {help_names} (default: fixed, the whole block)")
     p.add_argument("--profile", default=None,
                    help="step-cost profile JSON for dspark / dspark-async (default: this setup's cached profile, "
@@ -209,29 +216,29 @@ def cmd_cache_features(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the `dspark` command."""
-    parser = argparse.ArgumentParser(prog="dspark", description="Adaptive speculative decoding.")
+    parser = Parser(prog="dspark", description="Adaptive speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a continuation of PROMPT, then one statistics line")
     g.add_argument("prompt")
-    g.add_argument("--drafter", default="dspark", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--drafter", default="dspark", type=drafter_arg, help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    g.add_argument("--temperature", type=TEMPERATURE, default=0.0)
+    g.add_argument("--top-k", type=COUNT, default=0)
+    g.add_argument("--top-p", type=TOP_P, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     _add_model_args(g)
     _add_scheduler_args(g)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="run drafters side by side on the held-out prompts of each domain")
-    b.add_argument("--drafters", nargs="+", default=None,
+    b.add_argument("--drafters", nargs="+", default=None, type=drafter_arg,
                    help="default: none, ngram and every bundled drafter present in the zoo")
-    b.add_argument("--domains", nargs="+", default=["code", "prose", "math"])
-    b.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
-    b.add_argument("--num-prompts", type=int, default=20, help="prompts per domain")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--domains", nargs="+", default=["code", "prose", "math"], type=domain_arg)
+    b.add_argument("--temperatures", nargs="+", type=TEMPERATURE, default=[0.0, 1.0])
+    b.add_argument("--num-prompts", type=POSITIVE, default=20, help="prompts per domain")
+    b.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     b.add_argument("--plot", default=None, help="write a PNG of per-position acceptance per drafter")
@@ -241,16 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="fit a drafter's survival calibration on recorded rounds and report "
                                            "ECE / Brier / AUROC / log loss before and after on disjoint prompts")
-    cal.add_argument("drafter", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
-    cal.add_argument("--domains", nargs="+", default=["code", "prose", "math"])
-    cal.add_argument("--temperatures", "--temperature", nargs="+", type=float, default=[0.0, 1.0])
+    cal.add_argument("drafter", type=drafter_arg, help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    cal.add_argument("--domains", nargs="+", default=["code", "prose", "math"], type=domain_arg)
+    cal.add_argument("--temperatures", "--temperature", nargs="+", type=TEMPERATURE, default=[0.0, 1.0])
     cal.add_argument("--out", default=None, help="calibration JSON (default: calibration.json beside the drafter, "
                                                  "which load_drafter picks up); other temperatures in it are kept")
-    cal.add_argument("--fit-prompts", type=int, default=40, help="fitting prompts per domain, from --fit-offset on")
-    cal.add_argument("--fit-offset", type=int, default=60, help="first held-out prompt used for fitting")
-    cal.add_argument("--eval-prompts", type=int, default=40, help="scoring prompts per domain, from 0 (disjoint)")
-    cal.add_argument("--max-new-tokens", type=int, default=128)
-    cal.add_argument("--batch-size", type=int, default=8)
+    cal.add_argument("--fit-prompts", type=POSITIVE, default=40, help="fitting prompts per domain, from --fit-offset on")
+    cal.add_argument("--fit-offset", type=COUNT, default=60, help="first held-out prompt used for fitting")
+    cal.add_argument("--eval-prompts", type=POSITIVE, default=40, help="scoring prompts per domain, from 0 (disjoint)")
+    cal.add_argument("--max-new-tokens", type=POSITIVE, default=128)
+    cal.add_argument("--batch-size", type=POSITIVE, default=8)
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--plot-dir", default=None, help="write reliability diagrams (PNG) before/after here")
     _add_model_args(cal)
@@ -258,82 +265,92 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profile", help="measure the whole-step cost of decoding on this machine over a grid of "
                                         "(requests, verified tokens) for the dspark schedulers")
-    pr.add_argument("--drafter", default="dspark", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
-    pr.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    pr.add_argument("--context-len", type=int, default=256)
-    pr.add_argument("--warmup", type=int, default=2)
-    pr.add_argument("--reps", type=int, default=5)
+    pr.add_argument("--drafter", default="dspark", type=drafter_arg, help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    pr.add_argument("--batches", type=POSITIVE, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    pr.add_argument("--context-len", type=int_arg(2), default=256)
+    pr.add_argument("--warmup", type=COUNT, default=2)
+    pr.add_argument("--reps", type=POSITIVE, default=5)
     pr.add_argument("--out", default=None, help="profile JSON (default: this setup's cache file, used automatically)")
     pr.add_argument("--plot", default=None, help="write a PNG of the profile")
     _add_model_args(pr)
     pr.set_defaults(func=cmd_profile)
     r = sub.add_parser("regenerate", help="answer prompts with the target (drafter training data)")
-    r.add_argument("prompts", nargs="+", help="JSONL files or Hugging Face datasets on disk (save_to_disk folder, "
+    r.add_argument("prompts", nargs="+", type=existing_path_arg, help="JSONL files or Hugging Face datasets on disk (save_to_disk folder, "
                    ".parquet, .arrow) of rows with turns, conversations, messages or prompt")
     r.add_argument("--out", required=True)
-    r.add_argument("--limit", type=int, default=None, help="prompts per file")
-    r.add_argument("--skip", type=int, default=0, help="skip the first prompts of each file (extend a data set)")
-    r.add_argument("--drafter", default="draft-model", help="drafter that speeds up regeneration (lossless)")
-    r.add_argument("--temperature", type=float, default=0.7)
-    r.add_argument("--top-k", type=int, default=20)
-    r.add_argument("--top-p", type=float, default=0.8)
-    r.add_argument("--max-new-tokens", type=int, default=256)
-    r.add_argument("--batch-size", type=int, default=16)
+    r.add_argument("--limit", type=POSITIVE, default=None, help="prompts per file")
+    r.add_argument("--skip", type=COUNT, default=0, help="skip the first prompts of each file (extend a data set)")
+    r.add_argument("--drafter", default="draft-model", type=drafter_arg,
+                   help="drafter that speeds up regeneration (lossless)")
+    r.add_argument("--temperature", type=TEMPERATURE, default=0.7)
+    r.add_argument("--top-k", type=COUNT, default=20)
+    r.add_argument("--top-p", type=TOP_P, default=0.8)
+    r.add_argument("--max-new-tokens", type=POSITIVE, default=256)
+    r.add_argument("--batch-size", type=POSITIVE, default=16)
     r.add_argument("--seed", type=int, default=0)
     _add_model_args(r)
     r.set_defaults(func=cmd_regenerate)
 
     c = sub.add_parser("cache-features", help="run the target once over training data and cache its features "
                                                "for `dspark train --feature-cache` (torchrun splits the work)")
-    c.add_argument("--data", required=True, help="JSONL written by `dspark regenerate`")
+    c.add_argument("--data", required=True, type=existing_path_arg, help="JSONL written by `dspark regenerate`")
     c.add_argument("--out", required=True, help="cache folder")
-    c.add_argument("--layers", type=int, nargs="+", default=None,
+    c.add_argument("--layers", type=COUNT, nargs="+", default=None,
                    help="target layer ids to cache (default: the 5 that `dspark train` drafters read)")
-    c.add_argument("--max-len", type=int, default=768, help="tokens per sequence, as `dspark train` truncates")
+    c.add_argument("--max-len", type=POSITIVE, default=768, help="tokens per sequence, as `dspark train` truncates")
     c.add_argument("--no-bf16", action="store_true", help="cache float32 features, for `dspark train --no-bf16`")
     c.add_argument("--target", default=None)
-    c.add_argument("--device", default="cpu")
+    c.add_argument("--device", default="cpu", type=device_arg)
     c.set_defaults(func=cmd_cache_features)
 
     t = sub.add_parser("train", help="train a drafter for the target on regenerated data (torchrun for DDP)")
     t.add_argument("kind", choices=["dflash", "dspark", "dspark-rnn", "eagle3"])
-    t.add_argument("--data", required=True, help="JSONL written by `dspark regenerate`")
+    t.add_argument("--data", required=True, type=existing_path_arg, help="JSONL written by `dspark regenerate`")
     t.add_argument("--out", required=True)
-    t.add_argument("--steps", type=int, default=300)
-    t.add_argument("--batch", type=int, default=8, help="global sequences per step")
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--layers", type=int, default=1, help="draft layers (block drafters)")
-    t.add_argument("--intermediate-size", type=int, default=None, help="MLP width of the draft layers (default: the target's)")
-    t.add_argument("--block-size", type=int, default=7)
-    t.add_argument("--markov-rank", type=int, default=None,
+    t.add_argument("--steps", type=POSITIVE, default=300)
+    t.add_argument("--batch", type=POSITIVE, default=8, help="global sequences per step")
+    t.add_argument("--lr", type=real_arg(0.0, low_open=True), default=6e-4)
+    t.add_argument("--layers", type=POSITIVE, default=1, help="draft layers (block drafters)")
+    t.add_argument("--intermediate-size", type=POSITIVE, default=None, help="MLP width of the draft layers (default: the target's)")
+    t.add_argument("--block-size", type=POSITIVE, default=7)
+    t.add_argument("--markov-rank", type=POSITIVE, default=None,
                    help="rank of the sequential head (default: 256 for dspark, as bundled and in DeepSpec; 32 for dspark-rnn)")
     t.add_argument("--markov-head", choices=["vanilla", "gated"], default="vanilla",
                    help="dspark's Markov head: vanilla (bias W2·W1[x], as bundled) or gated by the slot's hidden state")
-    t.add_argument("--num-anchors", type=int, default=64)
+    t.add_argument("--num-anchors", type=POSITIVE, default=64)
     t.add_argument("--feature-cache", default=None, metavar="DIR",
                    help="read the target's features from safetensors shards in DIR, built there on first use and "
                         "reused by later runs on the same data (any drafter kind), instead of a target pass per step")
     t.add_argument("--tensorboard", action="store_true",
                    help="also log the loss terms and per-slot acceptance as TensorBoard events in OUT/tensorboard")
-    t.add_argument("--ckpt-every", type=int, default=50)
+    t.add_argument("--ckpt-every", type=POSITIVE, default=50)
     t.add_argument("--seed", type=int, default=42)
     t.add_argument("--no-bf16", action="store_true")
     t.add_argument("--int8", action="store_true",
                    help="store the trained matrices as int8 rows with float32 scales (default: bfloat16)")
     t.add_argument("--target", default=None)
-    t.add_argument("--device", default="cpu")
+    t.add_argument("--device", default="cpu", type=device_arg)
     t.set_defaults(func=cmd_train)
     from dspark.serving.cli import add_serve_parser
     add_serve_parser(sub)
+    from dspark.export_cli import add_export_parser
+    add_export_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `dspark` console command."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the `dspark` console command; returns the exit status.
+
+    A bad argument is one line naming it and the accepted values (status 2, no traceback); so is an error
+    the command meets in its inputs (a ValueError, a missing or unreadable file).
+    """
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help, or a bad argument (already reported)
+        return stop.code if isinstance(stop.code, int) else 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         print(f"dspark: error: {err}", file=sys.stderr)
         return 2
 

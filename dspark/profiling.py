@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.atomic import read_json, write_text_atomic
+from dspark.atomic import read_json, save_figure_atomic, write_text_atomic
 from dspark.decoding import StepInfo, decode, drafter_gamma
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.sampling import SamplingParams
@@ -532,7 +532,4 @@ def plot_profile(profile: StepProfile, path: str | Path) -> Path:
                  f"{fp.get('dtype')}, {fp.get('device')}, {fp.get('threads')} threads, "
                  f"context {fp.get('context_len')}", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure_atomic(fig, path)

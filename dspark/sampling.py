@@ -6,6 +6,9 @@ from dataclasses import dataclass
 import torch
 
 
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples: temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
@@ -16,12 +19,15 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        from dspark.arguments import int_problem, real_problem
+
+        problems = {"temperature": real_problem(self.temperature, 0.0),
+                    "top_k": int_problem(self.top_k, 0), "top_p": real_problem(self.top_p, 0.0, 1.0, low_open=True),
+                    "seed": None if self.seed is None else int_problem(self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1)}
+        for name, problem in problems.items():
+            if problem:
+                note = {"top_k": " (0 disables it)", "seed": " or None"}.get(name, "")
+                raise ValueError(f"{name} {problem.replace(', got', note + ', got', 1)}")
 
     @property
     def greedy(self) -> bool:

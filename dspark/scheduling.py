@@ -56,8 +56,15 @@ class CostModel:
     layout: str = "padded"
     #: weight of a new measurement in the online correction (exponential forgetting of log-ratios)
     alpha: float = 0.25
-    _cell_scale: dict[tuple, float] = field(default_factory=dict, repr=False)
-    _kind_scale: dict[str, float] = field(default_factory=lambda: {"d": 1.0, "p": 1.0}, repr=False)
+    #: measurements after which a step kind or cell counts as stale and follows the level above it
+    stale_after: int = 32
+    #: online correction, in log(measured / table): a machine-wide level; per step kind (drafted / plain)
+    #: its mean, the level and the measurement count when it was last measured; per cell its mean, its
+    #: kind's correction and the count then
+    _level: float = field(default=0.0, repr=False)
+    _count: int = field(default=0, repr=False)
+    _kinds: dict[str, tuple[float, float, int]] = field(default_factory=dict, repr=False)
+    _cells: dict[tuple, tuple[float, float, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -108,10 +115,10 @@ class CostModel:
     def cost_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """Seconds of drafted steps with `batch` requests for each entry of `tokens` (vectorised)."""
         base, idx = self._base_many(batch, tokens)
-        if not self._cell_scale:
-            return base * self._kind_scale["d"]
+        if not self._cells:
+            return base * self._scale(None, "d")
         b, _ = self._row_for(batch)
-        scale = np.array([self._cell_scale.get(("d", b, int(i)), self._kind_scale["d"]) for i in np.atleast_1d(idx)])
+        scale = np.array([self._scale(("d", b, int(i)), "d") for i in np.atleast_1d(idx)])
         return base * scale.reshape(base.shape)
 
     def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
@@ -140,15 +147,38 @@ class CostModel:
     def plain_cost(self, batch: int) -> float:
         """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
         b, factor = self._plain_key(batch)
-        return self.plain[b] * factor * self._cell_scale.get(("p", b), self._kind_scale["p"])
+        return self.plain[b] * factor * self._scale(("p", b), "p")
+
+    def _scale(self, key: tuple | None, kind: str) -> float:
+        """Online correction factor of a cell (see `observe`)."""
+        return math.exp(self._cell_log(key, kind))
+
+    def _kind_log(self, kind: str) -> float:
+        if kind not in self._kinds:
+            return self._level
+        mean, level_then, count = self._kinds[kind]
+        return mean if self._count - count <= self.stale_after else mean + (self._level - level_then)
+
+    def _cell_log(self, key: tuple | None, kind: str) -> float:
+        now = self._kind_log(kind)
+        if key is None or key not in self._cells:
+            return now
+        mean, kind_then, count = self._cells[key]
+        return mean if self._count - count <= self.stale_after else mean + (now - kind_then)
 
     # -- online correction ----------------------------------------------------------------------------
     def observe(self, batch: int, tokens: int, seconds: float, drafted: bool) -> None:
-        """Fold a measured step time into the model: the cell's scale moves towards measured / table.
+        """Fold a measured step time into the model.
 
-        Each cell keeps an exponentially forgetting mean of log(measured / table); cells not yet measured
-        use the mean over all measurements of their kind (drafted or plain steps). A ratio is clamped to [1/20, 20] so one stall cannot swing the
-        model; after a lasting change the scale is within 5% of it after about ten steps of that cell.
+        Three exponentially forgetting means of log(measured / table): a machine-wide level over every
+        step, one per step kind (drafted, plain) and one per cell. A kind or cell not measured in the
+        last `stale_after` steps moves with the level above it since its last measurement: a kind with the
+        machine-wide level, a cell with its kind. So a machine that slows down (other load) moves drafted
+        and plain costs alike even while only one kind of step runs (an adaptive policy that stopped
+        drafting measures plain steps only), while kinds and cells measured all along keep their own
+        means, so a change that hits drafting alone moves drafted costs alone. A ratio is clamped to
+        [1/20, 20] so one stall cannot swing the model; after a lasting change the correction is within
+        5% of it after about ten steps.
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
@@ -160,11 +190,13 @@ class CostModel:
             b, factor = self._plain_key(batch)
             key, table = ("p", b), self.plain[b] * factor
         log_ratio = math.log(min(20.0, max(0.05, seconds / table)))
-        kind = key[0]
-        old = math.log(self._cell_scale.get(key, self._kind_scale[kind]))
-        self._cell_scale[key] = math.exp(old + self.alpha * (log_ratio - old))
-        g = math.log(self._kind_scale[kind])
-        self._kind_scale[kind] = math.exp(g + self.alpha * (log_ratio - g))
+        kind, a = key[0], self.alpha
+        cell, kind_now = self._cell_log(key, kind), self._kind_log(kind)
+        self._count += 1
+        self._level += a * (log_ratio - self._level)
+        kind_new = kind_now + a * (log_ratio - kind_now)
+        self._kinds[kind] = (kind_new, self._level, self._count)
+        self._cells[key] = (cell + a * (log_ratio - cell), kind_new, self._count)
 
     # -- (de)serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict:

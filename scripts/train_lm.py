@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from dspark.training.trainer import load_train_state, save_train_state
+from dspark.training.trainer import has_train_state, load_train_state, save_train_state
 
 DOMAINS = ("code", "prose", "math")
 
@@ -155,7 +155,7 @@ def main() -> None:
           f"{steps} steps of {args.batch}x{args.seq_len}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     ckpt = args.out / "_train_state"
-    step = load_train_state(ckpt, model, opt) if (ckpt / "train_state.json").exists() else 0
+    step = load_train_state(ckpt, model, opt)[0] if has_train_state(ckpt) else 0
     if step:
         print(f"resumed at step {step}", flush=True)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed))

@@ -187,7 +187,7 @@ def test_export_speculators_config(tmp_path, target):
     assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
     assert spec["proposal_methods"][0]["speculative_tokens"] == 7
     assert spec["verifier"] == {"name_or_path": "org/tiny-target", "architectures": ["Qwen3ForCausalLM"]}
-    assert cfg["aux_hidden_state_layer_ids"] == [0, 2, 4] and cfg["sample_from_anchor"] is True
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 3, 5] and cfg["sample_from_anchor"] is True
     assert cfg["block_size"] == 7 and cfg["mask_token_id"] == 95 and cfg["markov_rank"] == 8
     assert cfg["markov_head_type"] == "vanilla" and cfg["enable_confidence_head"] is True
     assert cfg["draft_vocab_size"] == V and cfg["target_hidden_size"] == D

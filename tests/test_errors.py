@@ -22,7 +22,7 @@ def test_empty_prompt_and_bad_max_new_tokens(bundled_target):
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         decode(bundled_target, NoDrafter(), [[]])
     for bad in (0, -3):
-        with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
             dspark.generate(bundled_target, NoDrafter(), "hi", max_new_tokens=bad)
 
 
@@ -55,8 +55,8 @@ def test_draft_with_other_tokenizer(bundled_target, tmp_path):
 def test_cli_reports_errors_without_traceback(capsys):
     assert main(["generate", "hello", "--drafter", "nope", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err
-    assert "dspark: error: unknown drafter 'nope'" in err and "Traceback" not in err
+    assert "dspark generate: error: argument --drafter: unknown drafter 'nope'" in err and "Traceback" not in err
     assert main(["generate", "", "--drafter", "none"]) == 2
     assert "prompt is empty" in capsys.readouterr().err
     assert main(["generate", "hi", "--max-new-tokens", "0"]) == 2
-    assert "max_new_tokens" in capsys.readouterr().err
+    assert "--max-new-tokens" in capsys.readouterr().err

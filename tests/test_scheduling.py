@@ -170,9 +170,10 @@ def test_dspark_backs_off_when_drafting_does_not_pay_then_probes():
             s.plan(a, [7], cost)
     # one drafted step; after it the last survivals predict no gain, so no probe is paid for
     assert pattern == [True] + [False] * 39 and s.skipped_steps == 39
-    for n in range(1, 9):  # the machine changes: drafted steps now cost a tenth of a plain step
-        for _ in range(20):
+    for n in range(1, 9):  # drafting changes: drafted steps now cost what a plain step does (measured
+        for _ in range(20):  # beside the plain steps of the pause, which cost what the table says)
             cost.observe(1, n, 1.0, drafted=True)
+            cost.observe(1, 1, 1.0, drafted=False)
     later = [s.wants_drafts(1) for _ in range(300)]
     assert any(later)  # the next due probe is taken: drafting is predicted to pay again
 
@@ -196,6 +197,29 @@ def test_online_correction_changes_the_schedule_within_bounded_steps():
             break
     assert changed_at is not None and changed_at <= 10
     assert cost.cost(4, 16) > 1.5 * cost._base_many(4, np.array([16]))[0][0]
+
+
+def test_a_machine_wide_slowdown_does_not_stop_drafting():
+    """Only drafted steps run (the policy drafts every step), and the whole machine becomes 3x slower (other
+    load): plain steps would be 3x slower too, so drafting still pays and must go on. A correction that
+    scaled the measured kind alone would compare 3x drafted costs with 1x plain costs and stop drafting."""
+    cost = CostModel({4: [(n, 2.0) for n in range(4, 33, 4)]}, {4: 1.0}, "padded")
+    s = Scheduler("dspark", gamma=7)
+    a = np.full((4, 7), 0.9).cumprod(1)  # about 5.3 tokens per request and step for 2 plain steps: pays
+    for _ in range(30):
+        assert s.wants_drafts(4)
+        lengths = s.plan(a, [7] * 4, cost).lengths
+        assert sum(lengths) > 0
+        cost.observe(4, step_tokens(np.array(lengths), "padded"), 3 * 2.0, drafted=True)
+    assert cost.plain_cost(4) > 2.5 and s.skipped_steps == 0
+    # and when plain steps are measured unchanged beside them, drafting alone got 3x dearer: now it stops
+    for _ in range(30):
+        cost.observe(4, 4, 1.0, drafted=False)
+        cost.observe(4, 32, 3 * 2.0, drafted=True)
+    assert cost.cost(4, 32) / cost.plain_cost(4) > 5
+    s._backoff, s._skip, s._gain = 4, 0, None
+    s.plan(a, [7] * 4, cost)
+    assert s._skip > 0
 
 
 def test_online_correction_is_bounded_against_garbage():

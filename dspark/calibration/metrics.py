@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dspark.atomic import save_figure_atomic
 from dspark.calibration.maps import SurvivalMap, fill_unavailable, json_safe
 from dspark.calibration.records import RoundRecords
 
@@ -231,7 +232,4 @@ def reliability_diagram(records: RoundRecords, maps: Mapping[str, SurvivalMap], 
     ax_count.set_xlabel("predicted survival")
     ax_count.set_ylabel("rows per bin")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    return out
+    return save_figure_atomic(fig, path)

@@ -10,6 +10,7 @@ import math
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -18,8 +19,16 @@ from dspark.decoding import decode, drafter_gamma
 from dspark.evaluation.metrics import acceptance_stats, tau_standard_error
 from dspark.sampling import SamplingParams
 from dspark.scheduling import Scheduler
-from dspark.atomic import write_text_atomic
+from dspark.atomic import FileReadError, read_json, save_figure_atomic, write_text_atomic
 from dspark.zoo import bundled_drafter_path, eval_prompts_path
+
+
+def load_results(path: str | Path) -> dict:
+    """A `dspark bench --json` file; a missing, truncated or malformed one raises FileReadError naming it."""
+    data = read_json(path, "bench results")
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise FileReadError(f"bench results {path} have no list 'runs' (not written by `dspark bench --json`?)")
+    return data
 
 
 def load_eval_prompts(domain: str, limit: int) -> list[str]:
@@ -191,7 +200,7 @@ def plot_acceptance(results: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path)
     plt.close(fig)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark.atomic import write_text_atomic
+from dspark.atomic import read_json, save_figure_atomic, write_text_atomic
 from dspark.calibration.signals import CONF_LOGIT, NUM_SIGNALS
 from dspark.scheduling import CostModel, Scheduler, step_tokens
 
@@ -199,18 +199,7 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         """Read a trace written by `save`; a missing, truncated or malformed file raises ValueError naming it."""
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ValueError(f"trace file {p} does not exist") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"trace file {p} cannot be read: {err}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"trace file {p} is not valid JSON (truncated or malformed): {err}") from None
-        return cls.from_dict(data, str(p))
+        return cls.from_dict(read_json(path, "trace file"), str(path))
 
 
 def trace_from_results(results, gamma: int, temperature: float, domain: str = "", drafter: str = "") -> Trace:
@@ -518,12 +507,7 @@ def gpu_cost_model(spec: Mapping[str, Any], max_drafts: int = 8) -> CostModel:
 def load_gpu_curve(path: str | Path, max_drafts: int = 8) -> CostModel:
     """`gpu_cost_model` of a JSON spec file; a missing or malformed file fails naming it."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"gpu curve file {p} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"gpu curve file {p} cannot be read as JSON: {err}") from None
+    data = read_json(p, "gpu curve file")
     if not isinstance(data, Mapping):
         raise ValueError(f"gpu curve file {p}: top level must be a JSON object")  # noqa: TRY004
     try:
@@ -648,9 +632,7 @@ def _save_figure(plt, fig, path: str | Path, title: str) -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    out = save_figure_atomic(fig, path)
     plt.close(fig)
     return out
 

@@ -4,6 +4,8 @@ Responses follow OpenAI's shapes plus a top-level `speculation` field (τ, round
 accepted drafts per position). Streams are server-sent events (`data: {json}`, then `data: [DONE]`); with
 `stream_options.include_usage` a last chunk with no choices carries the usage. Every error is an OpenAI
 error object; FastAPI's 422 never reaches a client. A client that disconnects cancels its request.
+/openapi.json documents the request and response bodies (`dspark.serving.openapi`); the endpoints read raw
+JSON and check it themselves (`dspark.serving.protocol`), off the event loop.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import json
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.engine import QueueFull, Request, RequestOutput
 from dspark.serving.metrics import ServerMetrics
+from dspark.serving.openapi import (HEALTH_OPERATION, METRICS_OPERATION, MODELS_OPERATION, generation_operation,
+                                    install_openapi, package_version)
 from dspark.serving.protocol import (APIError, GenerationRequest, ServedModel, error_body, parse_chat,
                                      parse_completion, parse_json)
 from dspark.serving.runner import EngineRunner, ShuttingDown
@@ -31,6 +36,14 @@ log = logging.getLogger("dspark.serving")
 
 MAX_BODY_BYTES = 1 << 20
 ENGINE_FIELDS = ("prompt", "max_tokens", "max_draft", "stop")  # first words of the engine's ValueErrors
+
+
+class ErrorResponse(JSONResponse):
+    """A JSON error object, ASCII-escaped: whatever text an error quotes, rendering it cannot fail."""
+
+    def render(self, content: Any) -> bytes:
+        """The body as compact ASCII JSON."""
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class EventStream(StreamingResponse):
@@ -59,26 +72,37 @@ def create_app(runner: EngineRunner, model_name: str, metrics: ServerMetrics | N
     tokenizer = copy.deepcopy(engine.target.tokenizer)
     served = ServedModel(model_name, tokenizer, engine.context_limit, engine.target.vocab_size)
     started = int(time.time())
-    app = FastAPI(title="dspark", docs_url=None, redoc_url=None, openapi_url=None)
+    # Request checking (parsing up to max_body_bytes of JSON, tokenizing the prompt, rendering the chat template)
+    # runs off the event loop, one request at a time: a huge prompt does not stall the other clients' streams,
+    # and the tokenizer copy is only ever used from this one thread.
+    checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-check")
+    app = FastAPI(title="dspark", version=package_version(), docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI-compatible completions and chat completions with speculative decoding.")
+    install_openapi(app, served)
 
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return ErrorResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: HTTPRequest, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return JSONResponse(error_body(f"{param}: {first.get('msg', 'invalid request')}", param=param), 400)
+        return ErrorResponse(error_body(f"{param}: {first.get('msg', 'invalid request')}", param=param), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: HTTPRequest, err: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(err.detail)), status_code=err.status_code, headers=err.headers)
+        return ErrorResponse(error_body(str(err.detail)), status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: HTTPRequest, err: Exception) -> JSONResponse:
         log.exception("request failed", exc_info=err)
-        return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", "server_error"), 500)
+        return ErrorResponse(error_body(f"internal error: {type(err).__name__}: {err}", "server_error"), 500)
+
+    async def check(parse, http: HTTPRequest) -> GenerationRequest:
+        """The checked request of `http`'s body (APIError otherwise)."""
+        raw = await read_body(http, max_body_bytes)
+        return await asyncio.get_running_loop().run_in_executor(checker, lambda: parse(parse_json(raw), served))
 
     async def generate(http: HTTPRequest, gen: GenerationRequest, chat: bool) -> Response:
         """Run one checked request; answer with an SSE stream or one JSON object."""
@@ -100,35 +124,33 @@ def create_app(runner: EngineRunner, model_name: str, metrics: ServerMetrics | N
         return JSONResponse({**head, "choices": [{**choice, "logprobs": None, "finish_reason": req.finish_reason}],
                              "usage": usage(req), "speculation": req.speculation_stats()})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=generation_operation("CompletionRequest", "Completion"))
     async def completions(http: HTTPRequest) -> Response:
         """OpenAI /v1/completions."""
-        body = parse_json(await read_body(http, max_body_bytes))
-        return await generate(http, parse_completion(body, served), chat=False)
+        return await generate(http, await check(parse_completion, http), chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=generation_operation("ChatCompletionRequest", "ChatCompletion"))
     async def chat_completions(http: HTTPRequest) -> Response:
         """OpenAI /v1/chat/completions (messages rendered with the chat template)."""
-        body = parse_json(await read_body(http, max_body_bytes))
-        return await generate(http, parse_chat(body, served), chat=True)
+        return await generate(http, await check(parse_chat, http), chat=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, openapi_extra=MODELS_OPERATION)
     async def models() -> dict:
         """The one served model."""
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
                                             "owned_by": "dspark", "max_model_len": served.context_limit}]}
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=HEALTH_OPERATION)
     async def health() -> JSONResponse:
         """200 while serving; 503 once shutting down or when the engine thread is gone."""
         if not runner.accepting:
-            return JSONResponse(error_body("shutting down", "server_error", code="shutting_down"), 503)
+            return ErrorResponse(error_body("shutting down", "server_error", code="shutting_down"), 503)
         if not runner.alive:
-            return JSONResponse(error_body("the engine thread is not running", "server_error"), 503)
+            return ErrorResponse(error_body("the engine thread is not running", "server_error"), 503)
         return JSONResponse({"status": "ok"})
 
     if metrics is not None:
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=Response, openapi_extra=METRICS_OPERATION)
         async def prometheus() -> Response:
             """The Prometheus text exposition."""
             return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -29,27 +29,29 @@ class GracefulServer(uvicorn.Server):
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to the `dspark` parser's subparsers; return it."""
     from dspark.api import DRAFTER_NAMES
+    from dspark.arguments import device_arg, drafter_arg, int_arg, real_arg, scheduler_arg
 
     s = subparsers.add_parser("serve", help="serve the OpenAI-compatible API (completions, chat, metrics)")
     s.add_argument("--target", default=None, help="target model folder (default: the bundled target)")
-    s.add_argument("--drafter", default="dspark", help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
-    s.add_argument("--scheduler", default="dspark",
+    s.add_argument("--drafter", default="dspark", type=drafter_arg, help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
+    s.add_argument("--scheduler", default="dspark", type=scheduler_arg,
                    help="none | fixed | fixed:K | threshold:θ | batch-table | dspark | dspark-async (default: dspark, "
                         "which needs this setup's step-cost profile: --profile, the cache, or measured on start)")
     s.add_argument("--profile", default=None, help="step-cost profile JSON for dspark / dspark-async")
     s.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    s.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    s.add_argument("--device", default="cpu", type=device_arg, help="torch device, e.g. cpu or cuda")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-running", type=int, default=64, help="requests decoding at once")
-    s.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 429")
-    s.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per step while decoding")
+    s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="TCP port (0: any free port)")
+    s.add_argument("--max-running", type=int_arg(1), default=64, help="requests decoding at once")
+    s.add_argument("--max-waiting", type=int_arg(1), default=1024, help="queued requests before answering 429")
+    s.add_argument("--prefill-chunk", type=int_arg(1), default=256,
+                   help="prompt tokens prefilled per step while decoding")
     s.add_argument("--no-online-calibration", action="store_true",
                    help="keep the drafter's offline calibration fixed (default: corrected online per workload)")
     s.add_argument("--no-online-cost", action="store_true", help="do not correct the step-cost model online")
     s.add_argument("--served-model-name", default=None,
                    help="the `model` clients ask for (default: the target folder's name)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+    s.add_argument("--shutdown-timeout", type=real_arg(0.0), default=30.0,
                    help="seconds running requests may take to finish after SIGTERM before they are cancelled")
     s.set_defaults(func=cmd_serve)
     return s

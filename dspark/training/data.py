@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from dspark.api import encode_prompt
+from dspark.atomic import FileReadError, atomic_path, write_text_atomic
 from dspark.decoding import decode
 from dspark.drafters.base import Drafter
 from dspark.sampling import SamplingParams
@@ -37,8 +38,7 @@ def regenerate(
     Each row: {"prompt_ids", "answer_ids"}; a sidecar `<out>.meta.json` records the sampling parameters.
     """
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_path, "w", encoding="utf-8") as f:
+    with atomic_path(out_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for start in tqdm(range(0, len(prompts), batch_size), desc="regenerate", mininterval=10):
             chunk = prompts[start : start + batch_size]
             ids = [encode_prompt(target, p) for p in chunk]
@@ -47,7 +47,7 @@ def regenerate(
             for p_ids, res in zip(ids, decode(target, drafter, ids, params, max_new_tokens)):
                 f.write(json.dumps({"prompt_ids": p_ids, "answer_ids": res.token_ids}) + "\n")
     meta = {"sampling": asdict(sampling), "max_new_tokens": max_new_tokens, "seed": seed, "prompts": len(prompts)}
-    Path(str(out_path) + ".meta.json").write_text(json.dumps(meta, indent=1))
+    write_text_atomic(str(out_path) + ".meta.json", json.dumps(meta, indent=1))
     return out_path
 
 
@@ -55,9 +55,15 @@ def load_sequences(path: str | Path, max_len: int = 1024) -> list[tuple[torch.Te
     """(input_ids, loss_mask) per regenerated row; the mask is 1 on answer tokens. Truncated to max_len."""
     rows = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            ids = r["prompt_ids"] + r["answer_ids"]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                ids = r["prompt_ids"] + r["answer_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise FileReadError(f"training data {path} line {number} is not a row of `dspark regenerate` "
+                                    f"(truncated or malformed): {type(err).__name__}: {err}") from None
             mask = [0] * len(r["prompt_ids"]) + [1] * len(r["answer_ids"])
             rows.append((torch.tensor(ids[:max_len]), torch.tensor(mask[:max_len])))
     return rows

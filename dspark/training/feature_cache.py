@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
+
+from dspark.atomic import (FileReadError, open_safetensors, read_json, remove_stale_temps, save_safetensors_atomic,
+                           write_text_atomic)
 
 CACHE_VERSION = 1
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -74,16 +75,18 @@ class FeatureCache:
         index = self.path / "index.json"
         if not index.exists():
             raise FileNotFoundError(f"{self.path} is not a finished feature cache (no index.json)")
-        self.meta = json.loads(index.read_text())
-        if self.meta.get("version") != CACHE_VERSION:
-            raise ValueError(f"feature cache {self.path}: version is {self.meta.get('version')} in the cache "
+        self.meta = read_json(index, "feature cache index")
+        version = self.meta.get("version") if isinstance(self.meta, dict) else None
+        if version != CACHE_VERSION:
+            raise ValueError(f"feature cache {self.path}: version is {version} in the cache "
                              f"but this dspark reads version {CACHE_VERSION}")
         self._open: dict[int, object] = {}
 
     def check(self, target_model: torch.nn.Module, sequences: Sequence, layer_ids: Sequence[int],
               autocast_bf16: bool) -> None:
         """Fail, naming the field and both values, unless the cache holds these sequences of this target,
-        the drafter's layers, and was computed with the run's precision (bf16 autocast or float32)."""
+        the drafter's layers, and was computed with the run's precision (bf16 autocast or float32); a
+        missing or torn shard fails here, naming it."""
         expected = {"target": target_fingerprint(target_model), "num_rows": len(sequences),
                     "data": data_fingerprint(sequences), "autocast_bf16": bool(autocast_bf16)}
         for field, value in expected.items():
@@ -97,13 +100,17 @@ class FeatureCache:
         if missing:
             raise ValueError(f"feature cache {self.path} does not fit this drafter: target_layer_ids is "
                              f"{self.meta['layer_ids']} in the cache but the drafter reads {list(layer_ids)}")
+        per = self.meta["rows_per_shard"]
+        for k in range((self.meta["num_rows"] + per - 1) // per):  # a torn or missing shard fails here, not mid-run
+            with open_safetensors(self.path / _shard_name(k), "feature cache shard"):
+                pass
 
     def _shard(self, row: int):
         k = row // self.meta["rows_per_shard"]
         if k not in self._open:
             if len(self._open) >= 4:
                 self._open.pop(next(iter(self._open)))
-            self._open[k] = safe_open(str(self.path / _shard_name(k)), framework="pt")
+            self._open[k] = open_safetensors(self.path / _shard_name(k), "feature cache shard")
         return self._open[k]
 
     def target_pass(self, row: int, target_model: torch.nn.Module, layer_ids: Sequence[int]
@@ -164,23 +171,27 @@ def build_feature_cache(
             "rows_per_shard": rows_per_shard, "autocast_bf16": bool(autocast)}
     for name in ("index.json", "building.json"):
         if (out / name).exists():
-            other = json.loads((out / name).read_text())
+            other = read_json(out / name, "feature cache index")
+            if not isinstance(other, dict):
+                raise FileReadError(f"feature cache index {out / name} is not a JSON object")
             field = next((f for f in meta if other.get(f) != meta[f]), None)
             if field is not None:
                 raise ValueError(f"{out} holds another feature cache: {field} is {other.get(field)!r} there but "
                                  f"{meta[field]!r} for this run; use another folder or delete that one")
             if name == "index.json":
                 return FeatureCache(out)
+    num_shards = (len(sequences) + rows_per_shard - 1) // rows_per_shard
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        for k in range(num_shards):  # temporary files of a builder killed mid-write; no rank writes yet
+            remove_stale_temps(out / _shard_name(k))
         _write_json(out / "building.json", meta)
     if distributed:
         dist.barrier()
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
     device = next(target_model.parameters()).device
-    num_shards = (len(sequences) + rows_per_shard - 1) // rows_per_shard
     todo = [k for k in range(rank, num_shards, world) if not _shard_done(out / _shard_name(k), key)]
     target_model.eval()
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
@@ -196,9 +207,7 @@ def build_feature_cache(
                 tensors[f"feats.{row}"] = feats.to(dtype).cpu().contiguous()
                 tensors[f"final.{row}"] = final.to(dtype).cpu().contiguous()
                 bar.update(1)
-            tmp = out / f"{_shard_name(k)}.{os.getpid()}.tmp"  # two builders never share a file
-            save_file(tensors, str(tmp), metadata={"key": key})
-            os.replace(tmp, out / _shard_name(k))
+            save_safetensors_atomic(out / _shard_name(k), tensors, metadata={"key": key})
     if distributed:
         dist.barrier()
     if rank == 0:
@@ -210,9 +219,7 @@ def build_feature_cache(
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def _check_logits_recomputable(target_model, final: torch.Tensor, logits: torch.Tensor, ctx) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.atomic import write_text_atomic
 from dspark.checkpoints import save_block_drafter, save_eagle3_drafter, shape_fields
 from dspark.drafters.block import DSparkModel
 from dspark.drafters.dflash_model import DFlashConfig
@@ -125,7 +126,7 @@ def train_drafter(kind: str, target: CausalLM, data: str | Path, out: str | Path
         f"{[round(a, 3) for a in last.get('accept_rate', [])]}",
         "", "Built with:", "", "```", _command_line(), "```", "",
     ]
-    (out / "README.md").write_text("\n".join(card))
+    write_text_atomic(out / "README.md", "\n".join(card))
     return last
 
 

@@ -4,7 +4,7 @@ Launch single-process as a plain call, or with `torchrun --nproc-per-node N` (gl
 GPU): every rank takes its share of each global batch, `DistributedDataParallel` averages gradients,
 so N processes compute the same update as one process with the same global batch. The data order and
 the anchors depend only on (seed, step, index in the global batch), so a killed run resumes exactly from
-its last checkpoint (model, AdamW moments and step in safetensors + JSON; never pickle).
+its last checkpoint (model, AdamW moments and step in one safetensors file, written atomically; never pickle).
 """
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from dspark.atomic import (FileReadError, load_safetensors, read_json, remove_stale_temps, save_safetensors_atomic,
+                           write_text_atomic)
 from dspark.training.data import global_batches
 from dspark.training.feature_cache import FeatureCache
 
@@ -108,8 +109,13 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return _dist_info()
 
 
+STATE_FILE, STATE_JSON = "train_state.safetensors", "train_state.json"
+
+
 def save_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
-    """Write weights, AdamW moments and the step (safetensors + JSON), atomically."""
+    """Write weights, AdamW moments and the step into one safetensors file (the step and `extra` in its
+    metadata), atomically, so a crash leaves the previous state or this one; then a JSON copy of the
+    metadata for tools. Temporary files of writers killed earlier are removed."""
     path.mkdir(parents=True, exist_ok=True)
     tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     opt_steps = {}
@@ -119,38 +125,65 @@ def save_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, s
             tensors[f"exp_avg.{name}"] = st["exp_avg"].detach().clone().contiguous()
             tensors[f"exp_avg_sq.{name}"] = st["exp_avg_sq"].detach().clone().contiguous()
             opt_steps[name] = float(st["step"])
-    tmp = path / "train_state.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path / "train_state.safetensors")
-    (path / "train_state.json").write_text(json.dumps({"step": step, "opt_steps": opt_steps, **extra}))
+    meta = json.dumps({"step": step, "opt_steps": opt_steps, **extra})
+    for name in (STATE_FILE, STATE_JSON):
+        remove_stale_temps(path / name)
+    save_safetensors_atomic(path / STATE_FILE, tensors, metadata={"train_state": meta})
+    write_text_atomic(path / STATE_JSON, meta)
+
+
+def has_train_state(path: Path) -> bool:
+    """Whether `path` holds a train state to resume from."""
+    return (path / STATE_FILE).exists() or (path / STATE_JSON).exists()
 
 
 def load_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, float]:
     """Restore a state written by save_train_state; return the step to continue from and the training
-    seconds spent before it (steps past the last checkpoint are redone, so their time is not counted)."""
-    meta = json.loads((path / "train_state.json").read_text())
-    tensors = load_file(str(path / "train_state.safetensors"))
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    for name, p in model.named_parameters():
-        if f"exp_avg.{name}" in tensors:
-            opt.state[p] = {
-                "step": torch.tensor(meta["opt_steps"][name]),
-                "exp_avg": tensors[f"exp_avg.{name}"].to(p.device),
-                "exp_avg_sq": tensors[f"exp_avg_sq.{name}"].to(p.device),
-            }
-    return int(meta["step"]), float(meta.get("seconds", 0.0))
+    seconds spent before it (steps past the last checkpoint are redone, so their time is not counted).
+    A missing, truncated or foreign state raises FileReadError naming the file and the problem."""
+    file = path / STATE_FILE
+    tensors, metadata = load_safetensors(file, "train state")
+    if "train_state" not in metadata:  # written before the step moved into the safetensors metadata
+        metadata["train_state"] = json.dumps(read_json(path / STATE_JSON, "train state"))
+    try:
+        meta = json.loads(metadata["train_state"])
+        step, opt_steps, seconds = int(meta["step"]), meta["opt_steps"], float(meta.get("seconds", 0.0))
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        for name, p in model.named_parameters():
+            if f"exp_avg.{name}" in tensors:
+                opt.state[p] = {
+                    "step": torch.tensor(opt_steps[name]),
+                    "exp_avg": tensors[f"exp_avg.{name}"].to(p.device),
+                    "exp_avg_sq": tensors[f"exp_avg_sq.{name}"].to(p.device),
+                }
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise FileReadError(f"train state {file} is malformed or does not fit this model: "
+                            f"{type(err).__name__}: {err}") from None
+    return step, seconds
 
 
-def _drop_log_rows_after(log_path: Path, step: int) -> None:
-    """Keep only the log rows up to `step`: a run killed between checkpoints logged steps it will redo."""
+def _drop_log_rows_after(log_path: Path, step: int) -> dict:
+    """Keep only the log rows up to `step` (a run killed between checkpoints logged steps it will redo, and
+    maybe half a row); return the last row kept. A malformed complete row raises FileReadError naming it."""
     if not log_path.exists():
-        return
+        return {}
     lines = log_path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept, last = [], {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines) and not line.endswith("\n"):
+                break  # the row being written when the run was killed
+            raise FileReadError(f"training log {log_path} line {number} is not valid JSON: {err}") from None
+        if row.get("step", 0) <= step:
+            kept.append(line)
+            last = row
     if len(kept) != len(lines):
-        tmp = log_path.with_name(log_path.name + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        tmp.replace(log_path)
+        write_text_atomic(log_path, "".join(kept))
+    return last
 
 
 def train(
@@ -184,23 +217,22 @@ def train(
     work_dir = Path(work_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    resuming = (work_dir / "train_state.json").exists()
-    step, seconds_before = load_train_state(work_dir, model, opt) if resuming else (0, 0.0)
+    step, seconds_before = load_train_state(work_dir, model, opt) if has_train_state(work_dir) else (0, 0.0)
     wrapped: nn.Module = _BatchLoss(model, objective, features)
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(wrapped)  # every parameter is in every loss
     batches = global_batches(len(sequences), cfg.batch, cfg.seed)
     for _ in range(step):
         next(batches)
-    log = None
+    log, last = None, {}
     if log_path and rank == 0:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        _drop_log_rows_after(Path(log_path), step)
+        last = _drop_log_rows_after(Path(log_path), step)  # what a run resumed past its end returns
         log = open(log_path, "a", encoding="utf-8")
     board = _tensorboard(tensorboard_dir, step) if tensorboard_dir and rank == 0 else None
     bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=rank != 0, mininterval=5)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
-    tokens_seen, start, last = 0, time.perf_counter(), {}
+    tokens_seen, start = 0, time.perf_counter()
     end = min(cfg.steps, stop_after) if stop_after is not None else cfg.steps
     while step < end:
         idx = next(batches)
