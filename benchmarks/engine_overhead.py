@@ -1,7 +1,7 @@
 """Where an engine step's time goes at a fixed number of concurrent requests (closed loop, in process).
 
     python benchmarks/engine_overhead.py [--concurrency 16] [--steps 150] [--scheduler dspark] [--drafter dspark]
-        [--max-tokens 64] [--profile FILE] [--out benchmarks/results/serving/engine_overhead.txt]
+        [--max-tokens 64] [--temperature 0] [--profile FILE] [--out FILE]
 
 Keeps `--concurrency` requests running (a finished request is replaced at once by the next held-out prompt),
 skips the first 20 steps, and splits every step into: the drafting call, survival + scheduler, the target
@@ -19,6 +19,7 @@ from pathlib import Path
 from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model
 from dspark.engine import Engine, EngineConfig, Request, StepInfo
 from dspark.evaluation.bench import load_eval_prompts
+from dspark.sampling import SamplingParams
 from dspark.scheduling import Scheduler
 from dspark.drafters.base import drafter_gamma
 
@@ -31,8 +32,9 @@ def main() -> int:
     ap.add_argument("--scheduler", default="dspark")
     ap.add_argument("--drafter", default="dspark")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--profile", default=None)
-    ap.add_argument("--out", default="benchmarks/results/serving/engine_overhead.txt")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/serving/engine_overhead_T<T>_<scheduler>.txt")
     args = ap.parse_args()
 
     target = load_target()
@@ -48,7 +50,8 @@ def main() -> int:
 
     def issue() -> None:
         nonlocal issued
-        engine.add(Request(prompts[issued % len(prompts)], max_tokens=args.max_tokens, ignore_eos=True))
+        engine.add(Request(prompts[issued % len(prompts)], SamplingParams(temperature=args.temperature, seed=issued),
+                           max_tokens=args.max_tokens, ignore_eos=True))
         issued += 1
 
     for _ in range(args.concurrency):
@@ -68,16 +71,21 @@ def main() -> int:
     parts["verify, commit, bookkeeping"] = total - sum(parts.values())
     lines = [f"python benchmarks/engine_overhead.py {' '.join(sys.argv[1:])}",
              f"{len(steps)} steps at {args.concurrency} concurrent requests, scheduler {args.scheduler}, drafter "
-             f"{args.drafter}; median step {statistics.median(s.step_seconds for s in steps) * 1e3:.1f} ms, "
+             f"{args.drafter}, temperature {args.temperature:g}; median step {statistics.median(s.step_seconds for s in steps) * 1e3:.1f} ms, "
              f"median batch {statistics.median(s.batch for s in steps):.0f}"]
     for name, sec in parts.items():
         lines.append(f"  {name:<28} {100 * sec / total:5.1f}%  ({1e3 * sec / len(steps):6.2f} ms/step)")
+    committed = sum(len(s.accepted) + sum(s.accepted) for s in steps)
+    lines.append(f"  committed {committed / len(steps):.1f} tokens/step: {committed / total:.0f} tokens/s in process "
+                 f"(compare with the HTTP load sweep at the same concurrency)")
     overhead = parts["verify, commit, bookkeeping"] + parts["survival + scheduler"]
     lines.append(f"  engine overhead (outside drafter, target and prefill passes): {100 * overhead / total:.1f}%")
     text = "\n".join(lines)
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    out = Path(args.out or f"benchmarks/results/serving/engine_overhead_T{args.temperature:g}_"
+                              f"{args.scheduler.replace(':', '_')}.txt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
     return 0
 
 

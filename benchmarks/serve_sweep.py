@@ -264,6 +264,68 @@ def summarize(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _mean_by(cells: list[dict], temp: float, key: str) -> dict[tuple[str, int], tuple[float, float]]:
+    """(arm, concurrency) → (mean of `key` over repeats, half their range)."""
+    out = {}
+    for arm in dict.fromkeys(c["arm"] for c in cells):
+        for conc in sorted({c["concurrency"] for c in cells}):
+            xs = [c[key] for c in cells if c["arm"] == arm and c["temperature"] == temp and c["concurrency"] == conc]
+            if xs:
+                out[arm, conc] = (statistics.mean(xs), (max(xs) - min(xs)) / 2)
+    return out
+
+
+def per_user_at(curve: list[tuple[float, float]], throughput: float) -> float | None:
+    """Per-user speed of an arm at `throughput`, interpolated linearly along its (throughput, per-user)
+    points in order of concurrency; where the path crosses that throughput more than once (noise makes it
+    non-monotone), the lowest per-user speed among the crossings; None outside the range it reached."""
+    found = []
+    for (t0, u0), (t1, u1) in zip(curve, curve[1:]):
+        if min(t0, t1) <= throughput <= max(t0, t1):
+            w = 0.0 if t1 == t0 else (throughput - t0) / (t1 - t0)
+            found.append(u0 + w * (u1 - u0))
+    return min(found) if found else None
+
+
+def verdicts(results: dict, adaptive: tuple[str, ...] = ("dspark", "dspark-async"), baseline: str = "fixed:1") -> str:
+    """Per temperature and concurrency: each adaptive arm against the best other arm (throughput, with the
+    repeats' half range), and the adaptive arms' per-user speed at K = 1's throughput."""
+    cells = results["cells"]
+    lines = []
+    for temp in sorted({c["temperature"] for c in cells}):
+        tp = _mean_by(cells, temp, "throughput")
+        pu = _mean_by(cells, temp, "per_user_median")
+        arms = list(dict.fromkeys(a for a, _ in tp))
+        others = [a for a in arms if a not in adaptive]
+        concs = sorted({c for _, c in tp})
+        lines.append(f"\nT={temp:g}: adaptive arm vs the best other arm, output tok/s (± half the repeats' range)")
+        for arm in [a for a in adaptive if a in arms]:
+            ahead = 0
+            for conc in concs:
+                if (arm, conc) not in tp:
+                    continue
+                best = max(others, key=lambda a: tp.get((a, conc), (float("-inf"), 0))[0])
+                (m, h), (bm, bh) = tp[arm, conc], tp[best, conc]
+                ok = m + h + bh >= bm
+                ahead += ok
+                nospec = tp.get(("none", conc), (float("nan"), 0))[0]
+                lines.append(f"  {arm:>12} c={conc:>3}: {m:6.1f}±{h:4.1f} vs best other {best} {bm:6.1f}±{bh:4.1f} "
+                             f"({m / bm:5.2f}x; {'within spread or ahead' if ok else 'BELOW'}), none {nospec:6.1f}")
+            lines.append(f"  {arm}: at least the best other arm (within the spread) at {ahead} of {len(concs)} "
+                         f"concurrencies")
+        if baseline in arms:
+            base = [(tp[baseline, c][0], pu[baseline, c][0]) for c in concs if (baseline, c) in tp]
+            lines.append(f"T={temp:g}: per-user tok/s at {baseline}'s throughput (interpolated along each curve)")
+            for arm in [a for a in adaptive if a in arms]:
+                curve = [(tp[arm, c][0], pu[arm, c][0]) for c in concs if (arm, c) in tp]
+                for (t, u), conc in zip(base, concs):
+                    v = per_user_at(curve, t)
+                    if v is not None:
+                        lines.append(f"  c={conc:>3} {baseline} {t:6.1f} tok/s at {u:5.1f} per user; {arm} "
+                                     f"{v:5.1f} per user ({v / u - 1:+.0%})")
+    return "\n".join(lines)
+
+
 def plot(results: dict, out: Path) -> None:
     """Throughput against concurrency, and per-user speed against throughput, per temperature."""
     import matplotlib
@@ -312,15 +374,18 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--out", default="benchmarks/results/serving")
     ap.add_argument("--resume", action="store_true", help="keep the cells already in DIR/serve_sweep.json")
+    ap.add_argument("--report", action="store_true", help="only print the tables and plots of DIR/serve_sweep.json")
     args = ap.parse_args()
     if args.requests_per_client < 2:
         ap.error("--requests-per-client must be >= 2 (the first request of each client is warm-up)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    results = run(args)
-    table = summarize(results)
+    path = Path(args.out) / "serve_sweep.json"
+    results = json.loads(path.read_text()) if args.report else run(args)
+    table = summarize(results) + "\n" + verdicts(results)
     print(table)
     out = Path(args.out)
-    (out / "serve_sweep.txt").write_text(results["command"] + "\n" + table + "\n")
+    machine = results.get("machine", {})
+    (out / "serve_sweep.txt").write_text(f"{results['command']}\nmachine: {machine}\n{table}\n")
     plot(results, out)
     return 0
 

@@ -205,6 +205,36 @@ def test_ignore_eos_generates_exactly_max_tokens(client, bundled_target):
     assert full.choices[0].text == bundled_target.tokenizer.decode(out, skip_special_tokens=True)
 
 
+def test_64_concurrent_streaming_clients_all_complete_correctly(server, bundled_target):
+    """64 clients stream at once into a server that runs 8 rows: every one completes with its standalone
+    target-only greedy text, and the engine ends idle with nothing reserved."""
+    import asyncio
+
+    from dspark.evaluation.bench import load_eval_prompts
+
+    texts = [t for d in ("code", "prose", "math") for t in load_eval_prompts(d, 22)][:64]
+    ids = [encode_prompt(bundled_target, t, chat=False) for t in texts]
+    outs = decode(bundled_target, NoDrafter(), ids, max_new_tokens=8)  # batched target-only: equal to alone
+    expected = [bundled_target.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+
+    async def one(client, text: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0,
+                                                 stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(client, t) for t in texts))
+        finally:
+            await client.close()
+
+    got = asyncio.run(all_of_them())
+    assert got == expected
+    wait_for(lambda: not server.engine.has_work, "the engine to go idle")
+    assert server.engine.reserved == 0 and not server.engine.running
+
+
 # ---------------------------------------------------------------------- errors, over plain HTTP
 def long_prompt(n: int) -> list[int]:
     return [5] * n

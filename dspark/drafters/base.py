@@ -67,7 +67,9 @@ class Drafter:
 
     The engine calls `reset()` once, `join(prompts, prefill_features)` when new requests enter the batch
     (their rows go after the running ones), per step `propose`, the target verifies, `observe(outcome)`;
-    `select(rows)` when finished requests leave the batch. `start` is `reset` then `join`.
+    `select(rows)` when finished requests leave the batch. `start` is `reset` then `join`. A round may skip
+    `propose` (it is then observed all the same); a `propose` that raises leaves the state usable, and
+    `propose_rows` (after a raising `propose`) drafts for some rows without changing any state.
     """
 
     name: str = "drafter"
@@ -97,6 +99,18 @@ class Drafter:
         """Return drafts continuing each sequence (prompt + generated tokens, anchor last)."""
         raise NotImplementedError
 
+    def propose_rows(
+        self,
+        rows: Sequence[int],
+        sequences: Sequence[Sequence[int]],
+        sampling: BatchSampling,
+        generators: Sequence[torch.Generator],
+    ) -> DraftBlock:
+        """Drafts for the batch rows `rows` alone (sequences, sampling and generators are theirs), leaving the
+        drafter's state as it was before the call: how the engine finds the requests whose drafting raises.
+        A drafter without it (this default) has a raising `propose` fail the whole step instead."""
+        raise NotImplementedError
+
     def observe(self, outcome: RoundOutcome) -> None:
         """Learn what the last round accepted."""
 
@@ -112,6 +126,10 @@ class NoDrafter(Drafter):
     def propose(self, sequences, sampling, generators) -> DraftBlock:
         """Return an empty block."""
         return DraftBlock.empty(len(sequences))
+
+    def propose_rows(self, rows, sequences, sampling, generators) -> DraftBlock:
+        """Return an empty block (no state)."""
+        return self.propose(sequences, sampling, generators)
 
 
 def drafter_gamma(drafter: Drafter) -> int:

@@ -8,6 +8,7 @@ drafts are appended to the context cache; the bonus token becomes the next ancho
 """
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -187,6 +188,16 @@ class BlockDrafter(Drafter):
     def select(self, rows: Sequence[int]) -> None:
         """Drop finished rows from the context cache."""
         self.ctx.select(rows)
+
+    def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
+        """`propose` over a copy of the given rows' context (`propose` itself changes no state)."""
+        full = self.ctx
+        self.ctx = copy.copy(full)
+        try:
+            self.ctx.select(rows)
+            return self.propose(sequences, sampling, generators)
+        finally:
+            self.ctx = full
 
     @torch.no_grad()
     def block_hidden(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:

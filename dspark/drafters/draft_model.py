@@ -42,7 +42,28 @@ class DraftModelDrafter(Drafter):
         self.fed = [self.fed[r] for r in rows]
 
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
-        """Sample γ draft tokens per request from the draft model, returning their distributions."""
+        """Sample γ draft tokens per request from the draft model, returning their distributions.
+
+        If it raises, the cache is emptied (what it holds is then unknown): the next call feeds every row anew.
+        """
+        try:
+            return self._propose(sequences, sampling, generators)
+        except BaseException:
+            self.lm.reset(len(self.fed))
+            self.fed = [[] for _ in self.fed]
+            raise
+
+    def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
+        """`propose` from an empty cache of the given rows (it feeds their whole text), the batch's untouched."""
+        lm, fed = self.lm, self.fed
+        self.lm, self.fed = lm.empty_like(), [[] for _ in rows]
+        try:
+            self.lm.reset(len(rows))
+            return self.propose(sequences, sampling, generators)
+        finally:
+            self.lm, self.fed = lm, fed
+
+    def _propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         num_rows = len(sequences)
         keep = []
         pending = []

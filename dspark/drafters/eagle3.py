@@ -193,9 +193,34 @@ class Eagle3Drafter(Drafter):
         width = int(self.valid.any(0).nonzero().max()) + 1 if bool(self.valid.any()) else 0
         self.k, self.v, self.valid = self.k[:, :, :width], self.v[:, :, :width], self.valid[:, :width]
 
-    @torch.no_grad()
+    def _state(self) -> tuple:
+        """The per-row state, to restore after a failed or trial proposal (tensors are replaced, never
+        written in place, by `propose`)."""
+        return self.k, self.v, self.valid, self.lengths, list(self.pending_feats), list(self.pending_toks)
+
+    def _restore(self, state: tuple) -> None:
+        self.k, self.v, self.valid, self.lengths, self.pending_feats, self.pending_toks = state
+
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
-        """Feed the pending pairs, then chain γ draft steps."""
+        """Feed the pending pairs, then chain γ draft steps (if it raises, the state is as it was)."""
+        state = self._state()
+        try:
+            return self._propose(sequences, sampling, generators)
+        except BaseException:
+            self._restore(state)
+            raise
+
+    def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
+        """`propose` for the given rows; the state is then restored (their pairs stay pending)."""
+        state = self._state()
+        try:
+            self.select(rows)
+            return self._propose(sequences, sampling, generators)
+        finally:
+            self._restore(state)
+
+    @torch.no_grad()
+    def _propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         num_rows = len(sequences)
         device = self.valid.device
         counts = torch.tensor([len(t) for t in self.pending_toks], dtype=torch.long, device=device)

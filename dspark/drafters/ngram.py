@@ -39,3 +39,7 @@ class NgramDrafter(Drafter):
         """Return the looked-up continuation of every sequence."""
         drafts = [lookup_continuation(s, self.gamma, self.min_n, self.max_n) for s in sequences]
         return DraftBlock.from_lists(drafts, device=sampling.temperature.device)
+
+    def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
+        """As `propose` (the lookup keeps no state)."""
+        return self.propose(sequences, sampling, generators)

@@ -10,16 +10,26 @@ Requests arrive (`add`) and leave (finish, `cancel`) at any time. Each `step()`:
    → the verification scheduler's ℓ_r → one target pass over the anchors and ℓ_r drafts → batched
    verification → per-request commit and rollback → stop conditions → stream the committed tokens.
 
+Faults stay with the requests they belong to. A drafting call that raises is retried row by row
+(`Drafter.propose_rows`, which leaves the drafter's state as it was): the rows that raise alone finish with
+finish_reason "error" (`request_errors`), the others decode this round without drafts; an error no single
+row reproduces, or one anywhere else in the step, propagates (the server's runner then fails the step's
+requests). Rows whose drafts carry NaN / inf probabilities or confidences verify no drafts that round
+(`nonfinite_drafts`). A drafting call slower than `EngineConfig.draft_timeout` pauses drafting for a back-off
+of rounds, doubling while calls stay slow (`draft_timeouts`); paused rounds are plain decoding rounds, and the
+drafter still observes them. All three are lossless for every other request.
+
 `dspark.decoding.decode` (and so `generate`, `bench`, `profile`, `calibrate`) runs a fixed set of requests
 through this loop; the server calls the same `step` from its engine thread.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 
@@ -27,10 +37,13 @@ from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome, drafter_gamm
 from dspark.engine.request import Request, RequestOutput, RoundStats
 from dspark.engine.survival import survival_for
 from dspark.engine.text import TextStream
-from dspark.sampling import BatchSampling, make_generator
+from dspark.sampling import BatchSampling, SamplingParams, make_generator
 from dspark.scheduling import CostModel, Scheduler, step_tokens
 from dspark.target import CausalLM
 from dspark.verify import verify
+
+log = logging.getLogger("dspark.engine")
+DRAFT_BACKOFF_MAX = 64  # rounds drafting stays paused at most after a slow drafting call
 
 
 class QueueFull(RuntimeError):
@@ -65,6 +78,17 @@ class StepInfo:
 StepCallback = Callable[[StepInfo], None]
 
 
+class _RoundInputs(NamedTuple):
+    """The running rows of one decoding round and what drafting and verification read of them."""
+
+    rows: list[Request]
+    params: list[SamplingParams]
+    sampling: BatchSampling
+    gens: list[torch.Generator]
+    seqs: list[list[int]]
+    budget: list[int]  # drafts each row may verify (max_tokens left, its draft cap)
+
+
 @dataclass
 class EngineConfig:
     """Admission and loop settings.
@@ -75,6 +99,8 @@ class EngineConfig:
     prefill_chunk: prompt tokens prefilled per step while other requests are decoding.
     online_cost: correct the cost model from measured rounds. record_signals: keep each round's survival
     signals in its RoundStats. detokenize: keep each request's text (needs the target's tokenizer).
+    draft_timeout: seconds a drafting call may take; a slower one pauses drafting for 1, 2, 4, … rounds (at
+    most DRAFT_BACKOFF_MAX; back to 1 after a call within the limit). None: never paused.
     """
 
     max_running: int = 64
@@ -85,6 +111,7 @@ class EngineConfig:
     online_cost: bool = True
     record_signals: bool = False
     detokenize: bool = True
+    draft_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk"):
@@ -94,6 +121,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and int(value) < 1:
                 raise ValueError(f"{name} must be a positive number of tokens (or None), got {value}")
+        if self.draft_timeout is not None and not float(self.draft_timeout) > 0:
+            raise ValueError(f"draft_timeout must be a positive number of seconds (or None), got {self.draft_timeout}")
 
 
 class Engine:
@@ -133,6 +162,11 @@ class Engine:
         self._seqs: dict[int, list[int]] = {}
         self.reserved = 0  # KV tokens reserved by admitted requests
         self.steps = 0
+        self.request_errors = 0  # requests finished with "error" by a fault in their own drafting
+        self.nonfinite_drafts = 0  # row rounds whose drafts were dropped for NaN / inf
+        self.draft_timeouts = 0  # drafting calls slower than config.draft_timeout
+        self._draft_backoff = 0  # rounds of the last pause (doubles while calls stay slow)
+        self._draft_pause = 0  # rounds left without drafting
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, request: Request) -> None:
@@ -196,8 +230,8 @@ class Engine:
         prefill_start = time.perf_counter()
         prefill_tokens = self._prefill()
         prefill_seconds = time.perf_counter() - prefill_start
-        if self.running:
-            info = self._decode_round(outputs)
+        info = self._decode_round(outputs) if self.running else None
+        if info is not None:
             info.prefill_tokens, info.prefill_seconds = prefill_tokens, prefill_seconds
             info.step_seconds = time.perf_counter() - start
             if self.on_step is not None:
@@ -296,20 +330,104 @@ class Engine:
         """Width of the concatenated target features the drafter reads."""
         return len(self.drafter.feature_layers) * int(self.target.model.config.hidden_size)
 
-    def _decode_round(self, outputs: list[RequestOutput]) -> StepInfo:
-        start = time.perf_counter()
-        rows, device, sched = self.running, self.target.device, self.scheduler
+    def _round_inputs(self) -> _RoundInputs:
+        rows = self.running
         params = [req.sampling for req in rows]
-        sampling = BatchSampling.from_params(params, device)
-        gens = [self._gens[req.seq] for req in rows]
-        seqs = [self._seqs[req.seq] for req in rows]
         budget = []
         for req in rows:
             left = req.max_tokens - len(req.output_ids) - 1
             budget.append(left if req.draft_limit is None else min(left, req.draft_limit))
-        drafted = self.gamma > 0 and max(budget) > 0 and sched.wants_drafts(len(rows))
-        block = self.drafter.propose(seqs, sampling, gens) if drafted else DraftBlock.empty(len(rows), device)
+        return _RoundInputs(rows, params, BatchSampling.from_params(params, self.target.device),
+                            [self._gens[req.seq] for req in rows], [self._seqs[req.seq] for req in rows], budget)
+
+    def _wants_drafts(self, budget: list[int]) -> bool:
+        """Whether this round calls the drafter (not while a slow drafting call's pause lasts)."""
+        if self.gamma == 0 or max(budget) <= 0:
+            return False
+        if self._draft_pause > 0:
+            self._draft_pause -= 1
+            return False
+        return self.scheduler.wants_drafts(len(budget))
+
+    def _propose(self, batch: _RoundInputs, outputs: list[RequestOutput]) -> DraftBlock | None:
+        """The round's drafting call, timed against draft_timeout. None when it raised and the rows whose
+        drafting raises alone have failed (re-raised when no row does)."""
+        call = time.perf_counter()
+        try:
+            block = self.drafter.propose(batch.seqs, batch.sampling, batch.gens)
+        except Exception as err:
+            if not self._fail_drafting_rows(err, batch, outputs):
+                raise
+            return None
+        seconds, limit = time.perf_counter() - call, self.config.draft_timeout
+        if limit is not None and seconds > limit:
+            self.draft_timeouts += 1
+            self._draft_backoff = min(DRAFT_BACKOFF_MAX, max(1, 2 * self._draft_backoff))
+            self._draft_pause = self._draft_backoff
+            log.warning("drafting took %.3f s (draft_timeout %.3f s): drafting paused for %d rounds", seconds, limit,
+                        self._draft_pause)
+        elif limit is not None:
+            self._draft_backoff = 0
+        return block
+
+    def _fail_drafting_rows(self, err: Exception, batch: _RoundInputs, outputs: list[RequestOutput]) -> bool:
+        """Find the rows whose drafting raises on its own (`propose_rows`, one row at a time) and finish them
+        with "error"; False when the drafter cannot draft for a subset or no single row raises."""
+        if type(self.drafter).propose_rows is Drafter.propose_rows:
+            return False
+        failed: dict[int, Exception] = {}
+        for r in range(len(batch.rows)):
+            one = BatchSampling.from_params([batch.params[r]], self.target.device)
+            try:
+                self.drafter.propose_rows([r], [batch.seqs[r]], one, [batch.gens[r]])
+            except Exception as row_err:  # noqa: BLE001 - this row's fault: it fails alone
+                failed[r] = row_err
+        if not failed:
+            return False
+        for r, row_err in failed.items():
+            req = batch.rows[r]
+            req.error = f"internal error while drafting: {type(row_err).__name__}: {row_err}"
+            log.error("request %s failed: %s", req.request_id, req.error, exc_info=row_err)
+        self.request_errors += len(failed)
+        self._leave(sorted(failed), "error", outputs)
+        return True
+
+    def _drop_nonfinite(self, block: DraftBlock) -> DraftBlock:
+        """The block with no drafts for rows whose probabilities or confidences are NaN / inf where they count."""
+        checks = [t for t in (block.probs, block.confidences) if t is not None]
+        if not checks:
+            return block
+        width = block.tokens.shape[1]
+        used = torch.arange(width, device=block.lengths.device).view(1, -1) < block.lengths.view(-1, 1)
+        ok = torch.ones_like(block.lengths, dtype=torch.bool)
+        for t in checks:
+            finite = torch.isfinite(t[:, :width])
+            if finite.dim() > 2:  # probabilities [R, γ, V]
+                finite = finite.flatten(2).all(-1)
+            ok &= (finite | ~used[:, : finite.shape[1]]).all(-1)
+        if bool(ok.all()):
+            return block
+        self.nonfinite_drafts += int((~ok).sum())
+        lengths = torch.where(ok, block.lengths, torch.zeros_like(block.lengths))
+        return DraftBlock(block.tokens, lengths, block.probs, block.confidences)
+
+    def _decode_round(self, outputs: list[RequestOutput]) -> StepInfo | None:
+        start = time.perf_counter()
+        device, sched = self.target.device, self.scheduler
+        batch = self._round_inputs()
+        drafted, faulted = self._wants_drafts(batch.budget), False
+        block = self._propose(batch, outputs) if drafted else None
+        if drafted and block is None:  # the rows whose drafting raised have left: the rest decode without drafts
+            drafted, faulted = False, True
+            if not self.running:
+                return None
+            batch = self._round_inputs()
+        rows, params, sampling, gens, seqs, budget = batch
+        if block is None:
+            block = DraftBlock.empty(len(rows), device)
         block = block.truncate(budget)
+        if drafted:
+            block = self._drop_nonfinite(block)
         draft_seconds = time.perf_counter() - start
         available = block.lengths.tolist()
         theta = capacity = signals = None
@@ -358,7 +476,7 @@ class Engine:
                                                     temperature=params[r].temperature)
         seconds = time.perf_counter() - start
         tokens = step_tokens(lens, self.layout)
-        if self.cost_model is not None and self.config.online_cost:
+        if self.cost_model is not None and self.config.online_cost and not faulted:
             self.cost_model.observe(len(rows), tokens, seconds, drafted)
         now = time.perf_counter()
         for r, req in enumerate(rows):

@@ -9,6 +9,12 @@ runner's. Queue gauges and the calibration ECE are read when /metrics is scraped
 - prompt_tokens_total counts a request's prompt when it commits its first token.
 - spec_decode_num_drafts_total counts rows that verified at least one draft in a step; decode_rounds_total
   counts every row of every decoding step, so τ = generation_tokens_total / decode_rounds_total.
+- engine_request_errors_total, engine_nonfinite_drafts_total, engine_draft_timeouts_total: the engine's fault
+  counters (requests failed alone by their drafting, row rounds whose NaN / inf drafts were dropped, drafting
+  calls over draft_timeout), read from the engine at scrape time.
+- kv_cache_tokens / kv_cache_bytes: the target KV cache as allocated now (rows × slot width, and the bytes of
+  its key / value tensors), of the running batch and of the rows still prefilling; kv_reserved_tokens: what
+  the admitted requests reserve against EngineConfig.kv_budget_tokens. All three are 0 when idle.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import logging
 import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from dspark.engine import Engine, RequestOutput, StepInfo
 
@@ -23,6 +30,45 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 log = logging.getLogger("dspark.serving")
+ENGINE_COUNTERS = (  # (metric, help, Engine attribute)
+    ("dspark:engine_request_errors", "Requests finished with an error in their own drafting.", "request_errors"),
+    ("dspark:engine_nonfinite_drafts", "Row rounds whose drafts were dropped for NaN/inf probabilities or "
+     "confidences.", "nonfinite_drafts"),
+    ("dspark:engine_draft_timeouts", "Drafting calls slower than draft_timeout (drafting paused after each).",
+     "draft_timeouts"),
+)
+
+
+class _EngineCounters:
+    """A collector of the engine's fault counters, read when /metrics is scraped."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        """One counter family per ENGINE_COUNTERS entry."""
+        for name, doc, attr in ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(self.engine, attr, 0))
+
+
+def kv_cache_size(engine: Engine) -> tuple[int, int]:
+    """(slots, bytes) the target KV cache holds now: rows × slot width and its key / value storage, summed
+    over the running batch and the prefilling rows (read from another thread: a snapshot, never exact)."""
+    slots, seen, size = 0, set(), 0
+    for lm in (engine.target, getattr(engine, "prefill_lm", None)):
+        valid = getattr(lm, "valid", None)
+        if valid is not None and valid.dim() == 2:
+            slots += int(valid.shape[0]) * int(valid.shape[1])
+        cache = getattr(lm, "cache", None)
+        for layer in getattr(cache, "layers", None) or ():
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if t is None or not hasattr(t, "untyped_storage"):
+                    continue
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    size += storage.nbytes()
+    return slots, size
 
 
 class ServerMetrics:
@@ -56,6 +102,12 @@ class ServerMetrics:
                                         ["position"], registry=r)
         self.verified = Histogram("dspark:verified_tokens_per_step", "Draft tokens verified in one step.",
                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.kv_tokens = Gauge("dspark:kv_cache_tokens", "Target KV cache slots allocated (rows x slot width).",
+                               registry=r)
+        self.kv_bytes = Gauge("dspark:kv_cache_bytes", "Bytes of the target KV cache's key and value tensors.",
+                              registry=r)
+        self.kv_reserved = Gauge("dspark:kv_reserved_tokens", "KV tokens reserved by admitted requests.",
+                                 registry=r)
         self.capacity = Gauge("dspark:scheduler_capacity", "The verification scheduler's last capacity.",
                               registry=r)
         self.ece = Gauge("dspark:calibration_ece", "Online calibration ECE of the served survival, per workload.",
@@ -63,12 +115,20 @@ class ServerMetrics:
         self._positions: list = []  # accepted_per_pos children, by position
         self._last_commit: dict[int, float] = {}  # request seq → time of its last commit
         self._calibrator = None
+        self._engine_counters: _EngineCounters | None = None
 
     def watch(self, engine: Engine) -> None:
-        """Read the engine's queue lengths (and its online calibrator's ECE) at scrape time."""
+        """Read the engine's queue lengths, KV cache size (and its online calibrator's ECE) at scrape time."""
         self.running.set_function(lambda: len(engine.running) + len(engine.prefilling))
         self.waiting.set_function(lambda: len(engine.waiting))
+        self.kv_tokens.set_function(lambda: kv_cache_size(engine)[0])
+        self.kv_bytes.set_function(lambda: kv_cache_size(engine)[1])
+        self.kv_reserved.set_function(lambda: engine.reserved)
         self._calibrator = engine.online_calibration
+        if self._engine_counters is None:
+            self._engine_counters = _EngineCounters(engine)
+            self.registry.register(self._engine_counters)
+        self._engine_counters.engine = engine
 
     # ------------------------------------------------------------------ engine thread
     def observe_step(self, info: StepInfo) -> None:

@@ -38,7 +38,8 @@ class EngineRunner:
 
     on_outputs(outputs, now) is called in the engine thread after every step (metrics); keep it cheap.
     An exception inside `engine.step()` fails that step's requests (finish_reason "error"), is logged, and
-    the loop goes on serving.
+    the loop goes on serving. A request the engine fails alone (its own drafting raised) arrives as a normal
+    finished output with finish_reason "error" and its `error` message; its neighbours carry on.
     """
 
     def __init__(self, engine: Engine, on_outputs: OutputsCallback | None = None) -> None:
