@@ -32,20 +32,21 @@ from dspark.evaluation.bench import load_eval_prompts  # noqa: E402
 from dspark.zoo import default_target_path  # noqa: E402
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and all its descendants (from /proc)."""
-    total, stack, tick = 0.0, [pid], os.sysconf("SC_CLK_TCK")
+def tree_cpu_seconds(pid: int, seen: dict[int, float]) -> float:
+    """User + system CPU seconds of a process and all its descendants (from /proc), cumulative: `seen` keeps
+    each process's last reading, so a child that has exited still counts what it used."""
+    stack, tick = [pid], os.sysconf("SC_CLK_TCK")
     while stack:
         p = stack.pop()
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            seen[p] = max(seen.get(p, 0.0), (int(fields[11]) + int(fields[12])) / tick)
             for task in Path(f"/proc/{p}/task").iterdir():
                 children = (task / "children").read_text().split()
                 stack += [int(c) for c in children]
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-    return total
+    return sum(seen.values())
 
 
 def main() -> int:
@@ -86,10 +87,11 @@ def main() -> int:
                "--no-server-metrics", "--no-gpu-telemetry"]
         run = subprocess.Popen(cmd, env=env, stdout=(out / "aiperf_stdout.log").open("w"), stderr=subprocess.STDOUT)
         samples: list[tuple[float, float]] = []
+        seen: dict[int, float] = {}
 
         def sample() -> None:
             while run.poll() is None:
-                samples.append((time.time(), tree_cpu_seconds(run.pid)))
+                samples.append((time.time(), tree_cpu_seconds(run.pid, seen)))
                 time.sleep(0.5)
 
         watcher = threading.Thread(target=sample, daemon=True)
@@ -104,7 +106,9 @@ def main() -> int:
         mid = [s for s in samples if s[0] <= end_t - args.duration * 0.8]
         start_t, start_c = mid[-1] if mid else samples[0]
         aiperf_cpu = (end_c - start_c) / max(end_t - start_t, 1e-9)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         clients = asyncio.run(serve_sweep.closed_loop(base, model, prompts, args.concurrency, sweep_args, 0.0, 0))
+        driver_cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         ours = serve_sweep.cell_figures(clients)
     finally:
         serve_sweep.stop_server(proc)
@@ -117,7 +121,8 @@ def main() -> int:
         f"{summary['time_to_first_token']['p50']:.0f} ms, requests {summary['request_count']['avg']:.0f}, "
         f"errors {summary.get('error_request_count', {}).get('avg', 0):.0f}; its own CPU {aiperf_cpu:.2f} CPU-s/s",
         f"serve_sweep driver: output {ours['throughput']:.1f} tok/s (steady window), per-user median "
-        f"{ours['per_user_median']:.1f} tok/s, TTFT p50 {ours['ttft_p50'] * 1e3:.0f} ms, requests {ours['requests']}",
+        f"{ours['per_user_median']:.1f} tok/s, TTFT p50 {ours['ttft_p50'] * 1e3:.0f} ms, requests {ours['requests']}; "
+        f"its own CPU {driver_cpu:.2f} CPU-s/s",
     ]
     text = "\n".join(lines)
     print(text)
