@@ -73,7 +73,7 @@ def main() -> int:
     log = out / "aiperf_server.log"
     proc = serve_sweep.start_server(args.scheduler, args.port, sweep_args, log)
     try:
-        serve_sweep.wait_healthy(proc, args.scheduler, base, sweep_args, log)
+        serve_sweep.wait_healthy(proc, base, sweep_args.start_timeout, log, f"dspark serve --scheduler {args.scheduler}")
         model = serve_sweep.httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
         cmd = [args.aiperf, "profile", "--model", model, "--tokenizer", str(default_target_path()), "--url", base,

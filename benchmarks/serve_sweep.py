@@ -82,12 +82,13 @@ def start_server(arm: str, port: int, args: argparse.Namespace, log: Path) -> su
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_healthy(proc: subprocess.Popen, arm: str, base: str, args: argparse.Namespace, log: Path) -> None:
-    """Wait until the server answers /health; raise naming its log when it exits or never answers."""
-    deadline = time.time() + args.start_timeout
+def wait_healthy(proc: subprocess.Popen, base: str, limit: float, log: Path, what: str = "dspark serve") -> None:
+    """Wait until the server answers /health (it may profile its steps first); raise naming its log when it
+    exits or never answers."""
+    deadline = time.time() + limit
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"dspark serve --scheduler {arm} exited ({proc.returncode}); see {log}")
+            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log}:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return
@@ -95,7 +96,7 @@ def wait_healthy(proc: subprocess.Popen, arm: str, base: str, args: argparse.Nam
             pass
         time.sleep(1)
     proc.kill()
-    raise RuntimeError(f"dspark serve --scheduler {arm} did not answer /health in {args.start_timeout} s; see {log}")
+    raise RuntimeError(f"{what} did not answer /health in {limit} s; see {log}:\n{log.read_text()[-3000:]}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         for i, arm in enumerate(arms):  # one at a time: starting (and profiling) in parallel would skew both
             procs[arm] = start_server(arm, args.port + i, args, logs[arm])
-            wait_healthy(procs[arm], arm, bases[arm], args, logs[arm])
+            wait_healthy(procs[arm], bases[arm], args.start_timeout, logs[arm], f"dspark serve --scheduler {arm}")
         models = {arm: httpx.get(f"{bases[arm]}/v1/models", timeout=10).json()["data"][0]["id"] for arm in arms}
         for arm in arms:  # warm each server up
             asyncio.run(closed_loop(bases[arm], models[arm], prompts, 2, args, 0.0, 0))

@@ -48,6 +48,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dspark.evaluation.bench import load_eval_prompts
 
+sys.path.insert(0, str(Path(__file__).parent))
+import serve_sweep  # noqa: E402  (its server start-up check and machine description)
+
 GAUGES = {  # sample key → /metrics sample name (summed over labels)
     "generation_tokens": "dspark:generation_tokens_total",
     "finished": "dspark:request_success_total",
@@ -488,30 +491,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(proc: subprocess.Popen, base: str, limit: float, log: Path) -> None:
-    """Wait until the server answers /health (it may profile its steps first)."""
-    deadline = time.time() + limit
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dspark serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"dspark serve did not answer /health in {limit} s:\n{log.read_text()[-3000:]}")
-
-
-def machine() -> dict:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
-
-
 def write_report(result: dict, out: Path) -> int:
     """Write OUT/sustained_load.{json,txt,png}, print the text; 0 when nothing failed."""
     (out / "sustained_load.json").write_text(json.dumps(result, indent=1))
@@ -570,7 +549,7 @@ def main() -> int:
         log = Path(tmp) / "serve.log"
         proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_healthy(proc, base, args.start_timeout, log)
+            serve_sweep.wait_healthy(proc, base, args.start_timeout, log)
             print(f"server up (pid {proc.pid}); {args.clients} clients for {args.minutes:g} min", flush=True)
             run = drive(base, model, proc.pid, jobs, args.clients, args.minutes * 60, args.max_tokens,
                         args.sample_every, args.health_every)
@@ -595,7 +574,7 @@ def main() -> int:
     result = {
         "command": "python benchmarks/sustained_load.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": machine(),
+        "machine": serve_sweep.machine(),
         "server_command": ["python"] + cmd[1:],
         "settings": vars(args),
         "server_exit": proc.returncode,
