@@ -2,7 +2,7 @@
 
     python benchmarks/serve_sweep.py [--arms none fixed:7 fixed:3 fixed:1 threshold:0.6 dspark dspark-async]
         [--temperatures 0 1] [--concurrency 1 2 4 8 16 32 64] [--requests-per-client 3] [--max-tokens 64]
-        [--repeats 2] [--drafter dspark] [--profile FILE] [--out DIR] [--port 8123]
+        [--repeats 2] [--drafter dspark] [--device cpu|cuda] [--dtype D] [--profile FILE] [--out DIR] [--port 8123]
 
 The script starts one `dspark serve --scheduler ARM` per arm (same target, same drafter everywhere; each
 its own process and port; an idle server takes no CPU) and then, per repeat, temperature and concurrency,
@@ -76,7 +76,8 @@ def scrape(base: str) -> dict[str, float]:
 def start_server(arm: str, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
     """Start `dspark serve` for one scheduler on `port` (does not wait for it)."""
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--scheduler", arm, "--drafter", args.drafter,
-           "--port", str(port), "--max-running", str(max(args.concurrency))]
+           "--port", str(port), "--max-running", str(max(args.concurrency)),
+           "--device", getattr(args, "device", "cpu"), "--dtype", getattr(args, "dtype", "bfloat16")]
     if args.profile:
         cmd += ["--profile", args.profile]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -370,6 +371,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=40, help="held-out prompts per domain")
     ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--device", default="cpu", help="the servers' torch device (cuda on a GPU machine)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--profile", default=None, help="step-cost profile for the dspark arms")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--start-timeout", type=float, default=900.0)
