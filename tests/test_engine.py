@@ -290,3 +290,32 @@ def test_decode_runs_through_the_engine(bundled_target, dspark_drafter, prompts)
     assert [r.token_ids for r in res] == [r.output_ids for r in reqs]
     assert [len(r.rounds) for r in res] == [len(r.rounds) for r in reqs]
     assert torch.equal(bundled_target.lengths, torch.zeros(0, dtype=torch.long))
+
+
+def test_cache_compaction_while_decoding_keeps_outputs(bundled_target, prompts, monkeypatch):
+    """Both batched caches compacted mid-run (small slack, staggered rows, many rollbacks): the target's KV
+    cache and the drafter's context cache; every greedy output stays equal to its standalone decoding."""
+    from dspark.drafters.block import ContextCache
+    from dspark.target import CausalLM
+
+    calls = {"target": 0, "context": 0}
+    target_compact, context_compact = CausalLM.compact, ContextCache.compact
+
+    def counted(name, original):
+        def compact(self):
+            calls[name] += 1
+            return original(self)
+        return compact
+
+    monkeypatch.setattr(CausalLM, "compact", counted("target", target_compact))
+    monkeypatch.setattr(ContextCache, "compact", counted("context", context_compact))
+    monkeypatch.setattr(ContextCache.__init__, "__defaults__", (2,))  # compact_slack of every new context cache
+    target = bundled_target.empty_like()
+    target.compact_slack = 2
+    drafter = dspark.load_drafter("dspark", target)
+    engine = Engine(target, drafter, "fixed")
+    requests = [Request(p, max_tokens=n) for p, n in zip(prompts[:6], (24, 9, 30, 16, 24, 12))]
+    run_staggered(engine, requests, [0, 0, 2, 3, 5, 8])
+    assert calls["target"] > 0 and calls["context"] > 0
+    for req in requests:
+        assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens)
