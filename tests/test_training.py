@@ -198,3 +198,40 @@ def test_bf16_autocast_is_used_where_the_device_supports_it():
     assert bf16_supported("cpu")
     if torch.cuda.is_available():
         assert bf16_supported("cuda") == (torch.cuda.get_device_capability()[0] >= 8)
+
+
+def test_learning_rate_warm_up_then_cosine_to_zero():
+    from dspark.training.trainer import TrainConfig, lr_at
+
+    cfg = TrainConfig(steps=100, lr=1e-3, warmup_frac=0.1)
+    lrs = [lr_at(s, cfg) for s in range(cfg.steps)]
+    assert lrs[:10] == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])  # linear warm-up to the peak
+    assert lrs[9] == pytest.approx(1e-3) and lrs[10] == pytest.approx(1e-3)
+    assert lrs[55] == pytest.approx(5e-4)  # the cosine's midpoint: half the peak
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 1e-6  # decays to (nearly) zero
+    assert lr_at(cfg.steps + 5, cfg) == pytest.approx(0.0, abs=1e-12)  # and stays there
+
+
+def test_training_logs_the_schedule_and_clips_gradients(tmp_path, monkeypatch):
+    """The optimiser sees the scheduled learning rate and gradients clipped to max_grad_norm at every step;
+    the log records the scheduled rate and the norm before clipping."""
+    from dspark.training.trainer import lr_at
+
+    target, model, seqs, cfg = tiny_setup()
+    cfg.steps, cfg.warmup_frac, cfg.max_grad_norm = 6, 0.34, 1e-3
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(opt, *args, **kwargs):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        seen.append((opt.param_groups[0]["lr"], torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g.float()) for g in grads])).item()))
+        return step(opt, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    train(model, target, seqs, block_drafter_loss, cfg, tmp_path / "out", log_path=tmp_path / "log.jsonl")
+    log = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert [lr for lr, _ in seen] == pytest.approx([lr_at(s, cfg) for s in range(cfg.steps)])
+    assert [r["lr"] for r in log] == pytest.approx([lr_at(s, cfg) for s in range(cfg.steps)])
+    assert all(r["grad_norm"] > 10 * cfg.max_grad_norm for r in log)  # so clipping had work to do
+    assert all(norm <= cfg.max_grad_norm * (1 + 1e-3) for _, norm in seen)
