@@ -57,13 +57,15 @@ def test_greedy_identity_bundled(bundled_target, bundled_draft):
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     reference = decode(bundled_target, NoDrafter(), ids, max_new_tokens=48)
     drafters = [("ngram", NgramDrafter(4)), ("draft-model", DraftModelDrafter(bundled_draft, 4))]
+    # every drafter's drafts do get accepted (measured τ here: n-gram 1.27, draft model 2.39, the others 3.2-3.7)
+    least_tau = {"ngram": 1.1, "draft-model": 1.8}
     for name, drafter in drafters + bundled_feature_drafters(bundled_target):
         batched = decode(bundled_target, drafter, ids, max_new_tokens=48)
         assert [r.token_ids for r in batched] == [r.token_ids for r in reference], name
         single = decode(bundled_target, drafter, ids[:1], max_new_tokens=48)
         assert single[0].token_ids == reference[0].token_ids, name
-    rounds = sum(len(r.rounds) for r in batched)
-    assert sum(len(r.token_ids) for r in batched) / rounds > 1.2  # the draft model does get accepted
+        tau = sum(len(r.token_ids) for r in batched) / sum(len(r.rounds) for r in batched)
+        assert tau > least_tau.get(name, 2.5), (name, tau)
 
 
 def test_sampled_decoding_is_reproducible_and_batch_independent(qwen3_target):

@@ -170,3 +170,30 @@ def test_mixed_greedy_and_sampled_rows_in_one_batch():
                  [torch.Generator().manual_seed(1), torch.Generator()])
     assert res.accepted[1] == 3
     assert res.tokens[1] == target_logits.argmax(-1).tolist()
+    # the sampled row: the same result as verified alone, and a well-formed commit
+    alone = verify(target_logits.unsqueeze(0), drafts[:1], torch.tensor([3]), q.unsqueeze(0),
+                   BatchSampling.from_params([SamplingParams(temperature=1.0, seed=1)], "cpu"),
+                   [torch.Generator().manual_seed(1)])
+    assert (res.accepted[0], res.tokens[0]) == (alone.accepted[0], alone.tokens[0])
+    assert res.tokens[0][: res.accepted[0]] == [0, 1, 2][: res.accepted[0]] and len(res.tokens[0]) == res.accepted[0] + 1
+
+
+def test_sampled_row_beside_a_greedy_row_follows_the_target():
+    """Drafts drawn from q for the sampled row, a greedy row beside it: the sampled row's first committed
+    token is distributed as the target's p (4.5-sigma bands over 4000 trials)."""
+    target_logits, q = toy_problem()
+    logits = target_logits.unsqueeze(0).expand(2, -1, -1)
+    greedy_drafts = target_logits[:3].argmax(-1)
+    sampling = BatchSampling.from_params([SamplingParams(temperature=1.0), SamplingParams()], "cpu")
+    draw = torch.Generator().manual_seed(5)
+    counts = torch.zeros(q.shape[-1])
+    trials = 4000
+    for t in range(trials):
+        drafts = torch.stack([torch.multinomial(q, 1, generator=draw).squeeze(-1), greedy_drafts])
+        res = verify(logits, drafts, torch.tensor([3, 2]), q.unsqueeze(0).expand(2, -1, -1), sampling,
+                     [torch.Generator().manual_seed(t), torch.Generator()])
+        counts[res.tokens[0][0]] += 1
+        assert res.tokens[1][:2] == greedy_drafts[:2].tolist()
+    p = torch.softmax(target_logits[0], -1)
+    sigma = (p * (1 - p) / trials).sqrt()
+    assert ((counts / trials - p).abs() <= 4.5 * sigma + 1e-9).all(), (counts / trials, p)
