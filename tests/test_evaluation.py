@@ -1,6 +1,8 @@
 """Acceptance statistics and the side-by-side benchmark."""
 import json
 
+import pytest
+
 from dspark.cli import main
 from dspark.decoding import RoundStats
 from dspark.evaluation.metrics import acceptance_stats
@@ -29,8 +31,13 @@ def test_bench_runs_drafters_side_by_side(tmp_path):
     rows = {r["drafter"]: r for r in res["runs"]}
     assert set(rows) == {"none", "ngram", "draft-model"}
     assert rows["none"]["tau"] == 1.0 and rows["none"]["speedup"] == 1.0
-    for r in rows.values():
+    for name in ("ngram", "draft-model"):  # the target-only row is the reference: check the others against it
+        r = rows[name]
         assert r["identical_to_target_only"] == 1.0  # float32: lossless and numerically identical
+        assert r["speedup"] == pytest.approx(r["tok_per_s"] / rows["none"]["tok_per_s"])
+    dm = rows["draft-model"]  # its drafts are accepted (n-gram finds no match in 12 tokens of 2 prompts)
+    assert dm["tau"] > 1.0 and dm["rounds"] < rows["none"]["rounds"]
+    for r in rows.values():
         assert 0 < r["tokens"] <= sum((i + 1) * n for i, n in enumerate(r["histogram"]))
         assert sum(r["prompt_tokens"]) == r["tokens"] and sum(r["prompt_rounds"]) == r["rounds"]
         assert r["tau_se"] >= 0
@@ -102,7 +109,6 @@ def test_tau_standard_error_matches_the_spread_of_repeated_benchmarks():
 def test_paired_tau_ratio_interval_covers_the_true_ratio():
     import random
 
-    import pytest
 
     from dspark.evaluation.metrics import paired_tau_ratio
 
