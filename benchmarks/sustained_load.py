@@ -294,17 +294,6 @@ def fit(ts: list[float], ys: list[float]) -> dict:
     return {"slope": b, "se": math.sqrt(ssr / (n - 2) / sxx), "n": n}
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation; NaN for no data."""
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def intervals(samples: list[dict], end: float) -> list[dict]:
     """Per pair of consecutive samples ending by `end`: its midpoint, tokens/s and requests finished."""
     out = []
@@ -382,10 +371,10 @@ def figures(run: dict, mismatches: int, settle: float) -> dict:
         "fds": series("fds"),
         "loadavg_mean": statistics.fmean(s["loadavg"] for s in samples),
         "health": {"polls": len(health), "non_200": sum(1 for h in health if h["status"] != 200),
-                   "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
+                   "p50_ms": serve_sweep.percentile(lat, 0.5) * 1e3, "p99_ms": serve_sweep.percentile(lat, 0.99) * 1e3,
                    "max_ms": max(lat) * 1e3 if lat else None},
-        "latency": {"e2e_p50_s": percentile(e2e, 0.5), "e2e_p99_s": percentile(e2e, 0.99),
-                    "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99)},
+        "latency": {"e2e_p50_s": serve_sweep.percentile(e2e, 0.5), "e2e_p99_s": serve_sweep.percentile(e2e, 0.99),
+                    "ttft_p50_s": serve_sweep.percentile(ttft, 0.5), "ttft_p99_s": serve_sweep.percentile(ttft, 0.99)},
     }
 
 
