@@ -118,8 +118,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dspark.api import calibration_path
-    from dspark.calibration.job import run_calibrate
+    from dspark.calibration.job import read_prompt_files, run_calibrate
 
+    texts = None if not args.prompts else read_prompt_files(args.prompts, args.domains)  # checked before loading
+    if texts is None:
+        args.eval_prompts = 40 if args.eval_prompts is None else args.eval_prompts
+        args.fit_prompts = 40 if args.fit_prompts is None else args.fit_prompts
+    elif args.eval_prompts is None and (args.fit_prompts is not None or args.fit_offset is not None):
+        raise ValueError("with --prompts, give --eval-prompts together with --fit-prompts / --fit-offset, "
+                         "or none of them (each domain's prompts are then split in halves)")
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target, args.gamma, calibration=None)
     out = args.out or calibration_path(drafter)
@@ -127,7 +134,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ValueError(f"drafter {args.drafter!r} has no folder to keep a calibration beside: give --out FILE")
     run_calibrate(target, drafter, out, args.temperatures, args.domains, label=getattr(drafter, "name", args.drafter),
                   fit_prompts=args.fit_prompts, eval_prompts=args.eval_prompts, fit_offset=args.fit_offset,
-                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed, plot_dir=args.plot_dir)
+                  prompt_texts=texts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
+                  plot_dir=args.plot_dir, records_dir=args.records_dir)
     print(f"wrote {out}")
     return 0
 
@@ -253,13 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--temperatures", "--temperature", nargs="+", type=TEMPERATURE, default=[0.0, 1.0])
     cal.add_argument("--out", default=None, help="calibration JSON (default: calibration.json beside the drafter, "
                                                  "which load_drafter picks up); other temperatures in it are kept")
-    cal.add_argument("--fit-prompts", type=POSITIVE, default=40, help="fitting prompts per domain, from --fit-offset on")
-    cal.add_argument("--fit-offset", type=COUNT, default=60, help="first held-out prompt used for fitting")
-    cal.add_argument("--eval-prompts", type=POSITIVE, default=40, help="scoring prompts per domain, from 0 (disjoint)")
+    cal.add_argument("--fit-prompts", type=POSITIVE, default=None,
+                     help="fitting prompts per domain, from --fit-offset on (default 40)")
+    cal.add_argument("--fit-offset", type=COUNT, default=None,
+                     help="first prompt used for fitting (default 60 of the bundled prompts; with --prompts, "
+                          "right after the scored ones)")
+    cal.add_argument("--prompts", nargs="+", default=None, metavar="JSONL",
+                     help="read prompts per domain from these JSONL files (rows {domain, turns}; e.g. the corpus's "
+                          "*_heldout.jsonl) instead of the 120 bundled held-out prompts per domain")
+    cal.add_argument("--eval-prompts", type=POSITIVE, default=None,
+                     help="scoring prompts per domain, from 0 (disjoint; default 40, or with --prompts and none of "
+                          "the three counts given, each domain's first half scored and second half fitted)")
     cal.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     cal.add_argument("--batch-size", type=POSITIVE, default=8)
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--plot-dir", default=None, help="write reliability diagrams (PNG) before/after here")
+    cal.add_argument("--records-dir", default=None, help="also save the recorded fitting and held-out rounds "
+                                                         "here (safetensors), to refit or rescore without decoding")
     _add_model_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 

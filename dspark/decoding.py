@@ -78,6 +78,7 @@ def decode(
     on_step: StepCallback | None = None,
     online_cost: bool = True,
     online_calibration=None,
+    workloads: Sequence[str | None] | None = None,
 ) -> list[GenerationResult]:
     """Generate continuations of token-id prompts with speculative decoding; return one result each.
 
@@ -88,13 +89,16 @@ def decode(
     token_budget caps the query tokens of a step. record_signals keeps each round's survival signals in
     its RoundStats (calibration and scheduler traces); on_step(StepInfo) is called after every step, whose
     measured time also corrects `cost_model` online unless online_cost is False. online_calibration (an
-    `OnlineCalibrator`) supplies the survival estimates and learns from every verified prefix.
+    `OnlineCalibrator`) supplies the survival estimates and learns from every verified prefix. workloads[i]
+    labels request i's workload (e.g. its domain): survival uses that workload's calibration where it has one.
     """
     _check_inputs(target, prompts, max_new_tokens)
     if draft_limits is not None:
         draft_limits = [int(x) for x in draft_limits]
         if len(draft_limits) != len(prompts) or any(x < 0 for x in draft_limits):
             raise ValueError(f"draft_limits needs one non-negative count per prompt, got {draft_limits}")
+    if workloads is not None and len(workloads) != len(prompts):
+        raise ValueError(f"{len(workloads)} workload labels for {len(prompts)} prompts")
     params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling settings for {len(prompts)} prompts")
@@ -102,7 +106,8 @@ def decode(
                           online_cost=online_cost, record_signals=record_signals, detokenize=False)
     engine = Engine(target, drafter, scheduler, cost_model, config, online_calibration, eos_token_ids, on_step)
     requests = [
-        Request(list(p), params[i], max_new_tokens, max_draft=None if draft_limits is None else draft_limits[i], seq=i)
+        Request(list(p), params[i], max_new_tokens, max_draft=None if draft_limits is None else draft_limits[i], seq=i,
+                workload=None if workloads is None else workloads[i])
         for i, p in enumerate(prompts)  # seq = the prompt's index: what schedulers and the calibrator key on
     ]
     index = {req.seq: i for i, req in enumerate(requests)}

@@ -90,3 +90,38 @@ def test_an_explicit_profile_of_another_setup_is_refused_not_overwritten(bundled
     with pytest.raises(ProfileMismatch, match="threads"):
         step_cost_model(bundled_target, dspark.load_drafter("dspark", bundled_target), 1, path)
     assert path.read_text() == before
+
+
+def test_calibrate_from_prompt_files_splits_each_domain_and_fits_per_domain_maps(tmp_path, capsys):
+    rows = [{"domain": "code", "turns": [f"def f{i}(x):\n    return x + {i}", "answer"]} for i in range(4)]
+    rows += [{"domain": "math", "turns": [f"What is {i} + {i}?"]} for i in range(4)]
+    rows += [{"domain": "math", "turns": ["What is 0 + 0?"]}, {"domain": "prose", "turns": ["unused"]}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out, records = tmp_path / "cal.json", tmp_path / "records"
+    assert main(["calibrate", "ngram", "--temperatures", "1", "--domains", "code", "math", "--prompts", str(path),
+                 "--max-new-tokens", "24", "--dtype", "float32", "--out", str(out),
+                 "--records-dir", str(records)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["workloads"]) == {"code", "math"} and set(data["workloads"]["math"]) == {"1.0"}
+    assert "after, per workload" in capsys.readouterr().out
+    from dspark.calibration.records import RoundRecords
+
+    fit = RoundRecords.load(next(records.glob("*_T1_fit.safetensors")))
+    held = RoundRecords.load(next(records.glob("*_T1_eval.safetensors")))
+    assert set(fit.domains()) == set(held.domains()) == {"code", "math"}
+    assert data["maps"]["1.0"]["metrics"]["after_workload"]["headline_ece"]["math"] is not None
+
+
+@pytest.mark.parametrize("content, args, pattern", [
+    ('{"domain": "code"}\n', [], r"line 1: expected a JSON object with \"domain\" and a non-empty \"turns\""),
+    ('{"domain": "code", "turns": ["x"]}\n', ["--domains", "code", "math"], r"no prompts of domain\(s\) \['math'\]"),
+    ('{"domain": "code", "turns": ["x"]}\n', ["--fit-prompts", "3"], "give --eval-prompts together with"),
+])
+def test_bad_prompt_files_fail_before_loading_models(tmp_path, capsys, content, args, pattern):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    assert main(["calibrate", "ngram", "--domains", "code", "--prompts", str(path), *args,
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert re.search(pattern, capsys.readouterr().err)
+    assert not (tmp_path / "x.json").exists()

@@ -2,7 +2,9 @@
 
 The bundled held-out prompts (120 per domain) are split: the map is fitted on rounds of prompts
 [fit_offset, fit_offset + fit_prompts) and scored on rounds of prompts [0, eval_prompts), so the reported
-ECE is measured on prompts the fit never saw (`dspark bench` also reads prompts from 0 on).
+ECE is measured on prompts the fit never saw (`dspark bench` also reads prompts from 0 on). With more than
+one domain, a map per domain is fitted on that domain's fitting rounds as well (a per-workload calibration,
+used by requests labelled with the domain) and scored on the domain's held-out rounds beside the pooled map.
 """
 from __future__ import annotations
 
@@ -39,12 +41,47 @@ def record_rounds(target: CausalLM, drafter: Drafter, prompts: Sequence[Sequence
     return RoundRecords.concat(parts)
 
 
-def domain_prompts(target: CausalLM, domain: str, start: int, count: int) -> list[list[int]]:
-    """Token ids of bundled held-out prompts [start, start + count) of a domain, in the chat template."""
+def domain_prompts(target: CausalLM, domain: str, start: int, count: int,
+                   texts: Sequence[str] | None = None) -> list[list[int]]:
+    """Token ids of prompts [start, start + count) of a domain, in the chat template: of `texts` if given,
+    else of the bundled held-out prompts."""
     from dspark.evaluation.bench import load_eval_prompts
 
-    texts = load_eval_prompts(domain, start + count)[start:]
+    texts = load_eval_prompts(domain, start + count)[start:] if texts is None else texts[start:start + count]
     return [encode_prompt(target, t) for t in texts]
+
+
+def read_prompt_files(paths: Sequence[str | Path], domains: Sequence[str]) -> dict[str, list[str]]:
+    """First user turns per domain of JSONL files with rows {"domain": ..., "turns": [user, ...]} (the corpus
+    and eval-prompt format), in file order, duplicates dropped. A missing file, a malformed row or a requested
+    domain without prompts raises ValueError naming the file, line or domain."""
+    import json
+
+    out: dict[str, list[str]] = {d: [] for d in domains}
+    seen: set[tuple[str, str]] = set()
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"prompt file {p} does not exist")
+        with open(p, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    domain, user = row["domain"], row["turns"][0]
+                except (ValueError, KeyError, IndexError, TypeError):
+                    raise ValueError(f"prompt file {p} line {n}: expected a JSON object with \"domain\" and a "
+                                     "non-empty \"turns\" list") from None
+                if not isinstance(domain, str) or not isinstance(user, str) or not user:
+                    raise ValueError(f"prompt file {p} line {n}: \"domain\" and \"turns\"[0] must be strings")
+                if domain in out and (domain, user) not in seen:
+                    seen.add((domain, user))
+                    out[domain].append(user)
+    empty = [d for d, texts in out.items() if not texts]
+    if empty:
+        raise ValueError(f"prompt files {', '.join(map(str, paths))} have no prompts of domain(s) {empty}")
+    return out
 
 
 @dataclass
@@ -57,36 +94,91 @@ class CalibrationRun:
     after: dict
     fit_rounds: int
     eval_rounds: int
+    workload_maps: dict[str, SurvivalMap]
+    after_workload: dict | None
 
 
 def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float, domains: Sequence[str],
-                          fit_prompts: int = 40, eval_prompts: int = 40, fit_offset: int = 60,
+                          fit_prompts: int | None = 40, eval_prompts: int | None = 40, fit_offset: int | None = 60,
                           max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
-                          plot_dir: str | Path | None = None, label: str = "drafter") -> CalibrationRun:
-    """Fit the drafter's survival map at one temperature and score it before and after on disjoint prompts."""
+                          plot_dir: str | Path | None = None, label: str = "drafter",
+                          records_dir: str | Path | None = None,
+                          prompt_texts: dict[str, list[str]] | None = None) -> CalibrationRun:
+    """Fit the drafter's survival map at one temperature and score it before and after on disjoint prompts.
+
+    records_dir: also save the fitting and held-out rounds there (safetensors), to refit or rescore offline.
+    prompt_texts: prompts per domain (`read_prompt_files`) instead of the bundled 120 per domain; a domain
+    with fewer than fit_offset + fit_prompts of them fits on what it has past the scored ones. With
+    prompt_texts and eval_prompts None, each domain's first half is scored and its second half fitted.
+    """
+    if eval_prompts is None:
+        if prompt_texts is None:
+            raise ValueError("eval_prompts is needed with the bundled prompts")
+        fit, held = [], []
+        for d in domains:
+            texts = prompt_texts[d]
+            if len(texts) < 2:
+                raise ValueError(f"domain {d!r} has {len(texts)} prompt(s): two or more are needed to split")
+            half = len(texts) // 2
+            fit.append(record_rounds(target, drafter, domain_prompts(target, d, half, len(texts), texts),
+                                     temperature, max_new_tokens, batch_size, seed, d))
+            held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, half, texts), temperature,
+                                      max_new_tokens, batch_size, seed + 10_000, d))
+        return _finish(fit, held, temperature, plot_dir, label, records_dir)
+    fit_prompts = 40 if fit_prompts is None else fit_prompts
+    fit_offset = (eval_prompts if prompt_texts is not None else 60) if fit_offset is None else fit_offset
     if fit_offset < eval_prompts:
         raise ValueError(f"fit prompts start at {fit_offset} but the report scores prompts 0..{eval_prompts - 1}: "
                          "they would overlap; raise --fit-offset or lower --eval-prompts")
-    if fit_offset + fit_prompts > PROMPTS_PER_DOMAIN:
+    if prompt_texts is None and fit_offset + fit_prompts > PROMPTS_PER_DOMAIN:
         raise ValueError(f"fit prompts {fit_offset}..{fit_offset + fit_prompts - 1} exceed the "
                          f"{PROMPTS_PER_DOMAIN} held-out prompts per domain")
     fit, held = [], []
     for d in domains:
-        fit.append(record_rounds(target, drafter, domain_prompts(target, d, fit_offset, fit_prompts), temperature,
-                                 max_new_tokens, batch_size, seed, d))
-        held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, eval_prompts), temperature,
+        texts = None if prompt_texts is None else prompt_texts[d]
+        if texts is not None and len(texts) <= fit_offset:
+            raise ValueError(f"domain {d!r} has {len(texts)} prompts in the prompt files, but fitting starts at "
+                             f"prompt {fit_offset}: lower --eval-prompts / --fit-offset or add prompts")
+        fit.append(record_rounds(target, drafter, domain_prompts(target, d, fit_offset, fit_prompts, texts),
+                                 temperature, max_new_tokens, batch_size, seed, d))
+        held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, eval_prompts, texts), temperature,
                                   max_new_tokens, batch_size, seed + 10_000, d))
+    return _finish(fit, held, temperature, plot_dir, label, records_dir)
+
+
+def _finish(fit: list[RoundRecords], held: list[RoundRecords], temperature: float, plot_dir: str | Path | None,
+            label: str, records_dir: str | Path | None) -> CalibrationRun:
     fit_records, eval_records = RoundRecords.concat(fit), RoundRecords.concat(held)
+    if records_dir is not None:
+        Path(records_dir).mkdir(parents=True, exist_ok=True)
+        fit_records.save(Path(records_dir) / f"{label}_T{temperature:g}_fit.safetensors")
+        eval_records.save(Path(records_dir) / f"{label}_T{temperature:g}_eval.safetensors")
+    return fit_and_score(fit_records, eval_records, temperature, plot_dir, label)
+
+
+def fit_and_score(fit_records: RoundRecords, eval_records: RoundRecords, temperature: float,
+                  plot_dir: str | Path | None = None, label: str = "drafter") -> CalibrationRun:
+    """Fit the pooled map (and one per domain when there are several) and score them on the held-out rounds."""
     has_head = bool(torch.isfinite(fit_records.signals[..., 0]).any())
     before_map = default_map(has_head, fit_records.gamma)
     fitted = fit_map(fit_records, has_head)
+    domains = [d for d in fit_records.domains() if d]
+    workload_maps: dict[str, SurvivalMap] = {}
+    if len(domains) > 1:
+        for d in domains:
+            workload_maps[d] = fit_map(fit_records.subset([x == d for x in fit_records.domain]), has_head)
     before = calibration_report(eval_records, before_map)
     after = calibration_report(eval_records, fitted)
+    after_workload = calibration_report(eval_records, fitted, workload_maps) if workload_maps else None
     if plot_dir is not None:
         path = Path(plot_dir) / f"reliability_{label}_T{temperature:g}.png"
-        reliability_diagram(eval_records, {"before": before_map, "after": fitted}, path,
+        curves: dict = {"before": before_map, "after": fitted}
+        if workload_maps:
+            curves["after, per workload"] = (fitted, workload_maps)
+        reliability_diagram(eval_records, curves, path,
                             f"{label}, T {temperature:g}: cumulative survival on held-out rounds")
-    return CalibrationRun(temperature, fitted, before, after, len(fit_records), len(eval_records))
+    return CalibrationRun(temperature, fitted, before, after, len(fit_records), len(eval_records),
+                          workload_maps, after_workload)
 
 
 def run_calibrate(target: CausalLM, drafter: Drafter, out: str | Path, temperatures: Sequence[float],
@@ -96,20 +188,29 @@ def run_calibrate(target: CausalLM, drafter: Drafter, out: str | Path, temperatu
 
     did, tid = drafter_id(drafter), target_id(target)
     maps, metrics = {}, {}
+    workload_maps: dict[str, dict[float, SurvivalMap]] = {}
     out = Path(out)
     if out.exists():
         old = Calibration.load(out, did, tid)
         maps.update(old.maps)
         metrics.update(old.metrics)
+        workload_maps = {w: dict(m) for w, m in old.workload_maps.items()}
     for t in temperatures:
         run = calibrate_temperature(target, drafter, t, domains, label=label, **kw)
         maps[float(t)] = run.fitted
+        for per_t in workload_maps.values():  # this temperature's per-workload maps are replaced
+            per_t.pop(float(t), None)
+        for w, m in run.workload_maps.items():
+            workload_maps.setdefault(w, {})[float(t)] = m
         metrics[float(t)] = {"before": run.before, "after": run.after, "fit_rounds": run.fit_rounds,
                              "eval_rounds": run.eval_rounds, "domains": list(domains)}
+        if run.after_workload is not None:
+            metrics[float(t)]["after_workload"] = run.after_workload
         print(f"\n{label} at temperature {t:g}: fitted on {run.fit_rounds} rounds, scored on {run.eval_rounds} "
-              f"held-out rounds ({run.fitted.kind if hasattr(run.fitted, 'kind') else type(run.fitted).__name__})")
-        print(format_report_table(run.before, run.after))
+              f"held-out rounds ({run.fitted.kind})")
+        print(format_report_table(run.before, run.after, run.after_workload))
         sys.stdout.flush()
-    cal = Calibration(maps, drafter=did, target=tid, metrics=metrics)
+    workload_maps = {w: m for w, m in workload_maps.items() if m}
+    cal = Calibration(maps, drafter=did, target=tid, metrics=metrics, workload_maps=workload_maps)
     cal.to_json(out)
     return cal

@@ -2,8 +2,9 @@
 
 a_k = c_1⋯c_k estimates P(drafts 1..k all accepted), what the scheduler ranks drafts by. A map fitted on γ
 positions serves any width: positions past the fitted ones reuse the last fitted position's parameters.
-`Calibration` holds one map per sampling temperature for one drafter and target and reads and writes the
-JSON file of a fitted calibration.
+`Calibration` holds one map per sampling temperature for one drafter and target, optionally a map per
+workload label (e.g. domain) and temperature that rows carrying that label use instead, and reads and writes
+the JSON file of a fitted calibration.
 """
 from __future__ import annotations
 
@@ -286,12 +287,16 @@ class Calibration:
     """Survival maps per sampling temperature (0.0 = greedy) of one drafter on one target.
 
     metrics: per temperature, what the fit scored (e.g. `calibration_report` before/after), stored alongside.
+    workload_maps: per workload label, maps per temperature fitted on that workload's rounds only; a row
+    whose request carries the label uses them (temperature chosen as in `map_for`), every other row the
+    pooled `maps`.
     """
 
     maps: dict[float, SurvivalMap]
     drafter: str = ""
     target: str = ""
     metrics: dict[float, dict[str, Any]] = field(default_factory=dict)
+    workload_maps: dict[str, dict[float, SurvivalMap]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.maps:
@@ -302,28 +307,56 @@ class Calibration:
             raise ValueError(f"map temperatures must be finite and ≥ 0, got {bad}")
         self.maps = dict(sorted(maps.items()))
         self.metrics = {float(t): m for t, m in self.metrics.items()}
+        workload_maps: dict[str, dict[float, SurvivalMap]] = {}
+        for name, per_t in self.workload_maps.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"workload labels must be non-empty strings, got {name!r}")
+            if not per_t:
+                raise ValueError(f"workload {name!r} has no maps")
+            wm = {float(t): m for t, m in per_t.items()}
+            bad = [t for t in wm if not (math.isfinite(t) and t >= 0)]
+            if bad:
+                raise ValueError(f"map temperatures of workload {name!r} must be finite and ≥ 0, got {bad}")
+            workload_maps[name] = dict(sorted(wm.items()))
+        self.workload_maps = workload_maps
 
-    def map_for(self, temperature: float) -> SurvivalMap:
-        """Greedy (T ≤ 0) → the 0.0 map; T > 0 → the nearest positive temperature's map; else the nearest map."""
+    @property
+    def workloads(self) -> list[str]:
+        """Workload labels with maps of their own."""
+        return list(self.workload_maps)
+
+    def map_for(self, temperature: float, workload: str | None = None) -> SurvivalMap:
+        """The map of a row: greedy (T ≤ 0) → the 0.0 map, T > 0 → the nearest positive temperature's map,
+        else the nearest map; from the row's workload maps when it has one of that regime (greedy 0.0 or any
+        positive temperature), else from the pooled maps."""
         t = float(temperature)
-        keys = list(self.maps)
+        maps = self.maps
+        own = self.workload_maps.get(workload) if workload is not None else None
+        if own is not None and (0.0 in own if t <= 0 else any(k > 0 for k in own)):
+            maps = own
+        keys = list(maps)
         if t <= 0:
-            return self.maps[0.0] if 0.0 in self.maps else self.maps[keys[0]]
+            return maps[0.0] if 0.0 in maps else maps[keys[0]]
         positive = [k for k in keys if k > 0] or keys
-        return self.maps[min(positive, key=lambda k: (abs(k - t), k))]
+        return maps[min(positive, key=lambda k: (abs(k - t), k))]
 
     def survival(self, signals: torch.Tensor, available: torch.Tensor,
-                 temperatures: Sequence[float] | torch.Tensor) -> torch.Tensor:
-        """Cumulative survival [R, γ] with each row's map chosen by its sampling temperature."""
+                 temperatures: Sequence[float] | torch.Tensor,
+                 workloads: Sequence[str | None] | None = None) -> torch.Tensor:
+        """Cumulative survival [R, γ] with each row's map chosen by its sampling temperature and workload."""
         temps = temperatures.tolist() if isinstance(temperatures, torch.Tensor) else list(temperatures)
         if len(temps) != signals.shape[0]:
             raise ValueError(f"{len(temps)} temperatures for {signals.shape[0]} rows")
-        chosen: dict[float, SurvivalMap] = {}
+        names = [None] * len(temps) if workloads is None else list(workloads)
+        if len(names) != len(temps):
+            raise ValueError(f"{len(names)} workloads for {signals.shape[0]} rows")
+        chosen: dict[tuple[float, str | None], SurvivalMap] = {}
         groups: dict[int, tuple[SurvivalMap, list[int]]] = {}
-        for r, t in enumerate(temps):
-            m = chosen.get(t)
+        for r, (t, w) in enumerate(zip(temps, names)):
+            w = w if w in self.workload_maps else None
+            m = chosen.get((t, w))
             if m is None:
-                m = chosen[t] = self.map_for(t)
+                m = chosen[(t, w)] = self.map_for(t, w)
             groups.setdefault(id(m), (m, []))[1].append(r)
         if len(groups) <= 1:
             m = next(iter(groups.values()))[0] if groups else self.map_for(0.0)
@@ -338,7 +371,11 @@ class Calibration:
         """The JSON layout of a calibration file."""
         maps = {_temperature_key(t): {**m.to_dict(), "metrics": json_safe(self.metrics.get(t, {}))}
                 for t, m in self.maps.items()}
-        return {"format": FORMAT, "version": VERSION, "drafter": self.drafter, "target": self.target, "maps": maps}
+        out = {"format": FORMAT, "version": VERSION, "drafter": self.drafter, "target": self.target, "maps": maps}
+        if self.workload_maps:
+            out["workloads"] = {name: {_temperature_key(t): m.to_dict() for t, m in per_t.items()}
+                                for name, per_t in self.workload_maps.items()}
+        return out
 
     def to_json(self, path: str | Path) -> Path:
         """Write the calibration atomically (temporary file in the same folder, then os.replace)."""
@@ -359,29 +396,45 @@ class Calibration:
         for name in ("drafter", "target"):
             if not isinstance(data.get(name), str):
                 raise fail(f"field '{name}' must be a string, got {data.get(name)!r}")
-        raw_maps = data.get("maps")
-        if not isinstance(raw_maps, Mapping) or not raw_maps:
-            raise fail(f"field 'maps' must be a non-empty object keyed by temperature, got {raw_maps!r:.80}")
-        maps: dict[float, SurvivalMap] = {}
         metrics: dict[float, dict[str, Any]] = {}
-        for key, entry in raw_maps.items():
-            try:
-                t = float(key)
-            except ValueError:
-                raise fail(f"field 'maps' has key {key!r}, which is not a temperature") from None
-            if not (math.isfinite(t) and t >= 0):
-                raise fail(f"field 'maps' has key {key!r}; temperatures must be finite and ≥ 0")
-            if t in maps:
-                raise fail(f"field 'maps' has temperature {t} twice")
-            try:
-                maps[t] = map_from_dict(entry, f"maps.{key}")
-            except ValueError as err:
-                raise fail(str(err)) from None
-            entry_metrics = entry.get("metrics", {})
-            if not isinstance(entry_metrics, Mapping):
-                raise fail(f"field 'maps.{key}.metrics' must be an object, got {type(entry_metrics).__name__}")
-            metrics[t] = dict(entry_metrics)
-        return cls(maps=maps, drafter=data["drafter"], target=data["target"], metrics=metrics)
+
+        def read_maps(raw_maps: Any, where: str, keep_metrics: bool) -> dict[float, SurvivalMap]:
+            if not isinstance(raw_maps, Mapping) or not raw_maps:
+                raise fail(f"field '{where}' must be a non-empty object keyed by temperature, got {raw_maps!r:.80}")
+            maps: dict[float, SurvivalMap] = {}
+            for key, entry in raw_maps.items():
+                try:
+                    t = float(key)
+                except ValueError:
+                    raise fail(f"field '{where}' has key {key!r}, which is not a temperature") from None
+                if not (math.isfinite(t) and t >= 0):
+                    raise fail(f"field '{where}' has key {key!r}; temperatures must be finite and ≥ 0")
+                if t in maps:
+                    raise fail(f"field '{where}' has temperature {t} twice")
+                try:
+                    maps[t] = map_from_dict(entry, f"{where}.{key}")
+                except ValueError as err:
+                    raise fail(str(err)) from None
+                if keep_metrics:
+                    entry_metrics = entry.get("metrics", {})
+                    if not isinstance(entry_metrics, Mapping):
+                        raise fail(f"field '{where}.{key}.metrics' must be an object, "
+                                   f"got {type(entry_metrics).__name__}")
+                    metrics[t] = dict(entry_metrics)
+            return maps
+
+        maps = read_maps(data.get("maps"), "maps", True)
+        raw_workloads = data.get("workloads", {})
+        if not isinstance(raw_workloads, Mapping):
+            raise fail(f"field 'workloads' must be an object keyed by workload label, "
+                       f"got {type(raw_workloads).__name__}")
+        workload_maps = {}
+        for name, raw in raw_workloads.items():
+            if not name:
+                raise fail("field 'workloads' has an empty workload label")
+            workload_maps[name] = read_maps(raw, f"workloads.{name}", False)
+        return cls(maps=maps, drafter=data["drafter"], target=data["target"], metrics=metrics,
+                   workload_maps=workload_maps)
 
     @classmethod
     def load(cls, path: str | Path, expect_drafter: str | None = None,

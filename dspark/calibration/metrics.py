@@ -129,30 +129,73 @@ def _domain_names(records: RoundRecords) -> list[str]:
     return ["all"] + [d if d else "unlabelled" for d in names if d != "all"]
 
 
-def calibration_report(records: RoundRecords, survival_map: SurvivalMap) -> dict[str, Any]:
-    """Score a survival map on recorded rounds, per domain and over all of them ("all").
-
-    Layout: {"gamma", "rounds", "headline_ece": {domain: pooled cumulative ECE},
-    "domains": {domain: {"rounds", "conditional": S, "cumulative": S}}} where S is
-    {"pooled": scores, "per_position": [{"position": k, **scores}, ...]} and scores are
-    {"count", "ece", "brier", "auroc", "log_loss"}. NaN becomes None, so the dict is JSON-serialisable.
-    """
+def predict(records: RoundRecords, survival_map: SurvivalMap,
+            workload_maps: Mapping[str, SurvivalMap] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conditional [n, γ], cumulative [n, γ] zero past available) survival of the records, float64; rounds of a
+    domain in `workload_maps` use that map, the rest `survival_map`."""
     signals = fill_unavailable(records.signals, records.available)
     with torch.no_grad():
         cond = survival_map.conditional(signals).to(torch.float64)
-        cum = survival_map.survival(signals, records.available).to(torch.float64)
+        for name, m in (workload_maps or {}).items():
+            rows = torch.tensor([d == name for d in records.domain], dtype=torch.bool)
+            if bool(rows.any()):
+                cond[rows] = m.conditional(signals[rows]).to(torch.float64)
+    k = torch.arange(1, records.gamma + 1).view(1, -1)
+    return cond, torch.cumprod(cond, dim=1).masked_fill_(k > records.available.view(-1, 1), 0.0)
+
+
+def ece_noise_floor(cond: torch.Tensor, available: torch.Tensor, rows: torch.Tensor, draws: int = 50,
+                    bins: int = DEFAULT_BINS, seed: int = 0) -> float:
+    """Mean pooled cumulative ECE of these predictions against labels drawn from the predictions themselves.
+
+    For each round, acceptance is simulated position by position from its conditional survival c_k (so the
+    nested labels are correlated as real ones are), up to its available drafts; the ECE of a perfectly
+    calibrated predictor on a sample of this size is then pure sampling noise. A measured ECE near this floor
+    cannot be told apart from perfect calibration with this many rounds.
+    """
+    cond = cond[rows].to(torch.float64)
+    avail = available[rows]
+    n, gamma = cond.shape
+    if n == 0:
+        return math.nan
+    k = torch.arange(1, gamma + 1).view(1, -1)
+    valid = k <= avail.view(-1, 1)
+    pred = torch.cumprod(cond, dim=1)[valid]
+    gen = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for _ in range(draws):
+        survived = torch.cumprod((torch.rand(n, gamma, generator=gen, dtype=torch.float64) < cond).long(), dim=1)
+        total += ece(pred, survived.to(torch.float64)[valid], bins)
+    return total / draws
+
+
+def calibration_report(records: RoundRecords, survival_map: SurvivalMap,
+                       workload_maps: Mapping[str, SurvivalMap] | None = None) -> dict[str, Any]:
+    """Score a survival map on recorded rounds, per domain and over all of them ("all").
+
+    workload_maps: maps that score the rounds of their domain instead of `survival_map` (per-workload
+    calibration); every other round is scored with `survival_map`.
+    Layout: {"gamma", "rounds", "headline_ece": {domain: pooled cumulative ECE}, "ece_floor": {domain: its
+    `ece_noise_floor`}, "domains": {domain: {"rounds", "conditional": S, "cumulative": S}}} where S is
+    {"pooled": scores, "per_position": [{"position": k, **scores}, ...]} and scores are
+    {"count", "ece", "brier", "auroc", "log_loss"}. NaN becomes None, so the dict is JSON-serialisable.
+    """
+    labels = ["unlabelled" if d == "" else d for d in records.domain]
+    cond, cum = predict(records, survival_map, workload_maps)
     cond_y, cond_valid = records.conditional_labels()
     cum_y, cum_valid = records.cumulative_labels()
-    labels = ["unlabelled" if d == "" else d for d in records.domain]
-    report: dict[str, Any] = {"gamma": records.gamma, "rounds": len(records), "headline_ece": {}, "domains": {}}
+    report: dict[str, Any] = {"gamma": records.gamma, "rounds": len(records), "headline_ece": {},
+                              "ece_floor": {}, "domains": {}}
     for name in _domain_names(records):
         rows = torch.ones(len(records), dtype=torch.bool) if name == "all" else \
             torch.tensor([d == name for d in labels], dtype=torch.bool)
         entry = {"rounds": int(rows.sum()),
                  "conditional": _kind_scores(cond, cond_y, cond_valid & rows.view(-1, 1)),
                  "cumulative": _kind_scores(cum, cum_y, cum_valid & rows.view(-1, 1))}
+        entry["cumulative"]["pooled"]["ece_floor"] = ece_noise_floor(cond, records.available, rows)
         report["domains"][name] = entry
         report["headline_ece"][name] = entry["cumulative"]["pooled"]["ece"]
+        report["ece_floor"][name] = entry["cumulative"]["pooled"]["ece_floor"]
     return json_safe(report)
 
 
@@ -164,10 +207,15 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def format_report_table(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """Markdown tables, one per domain, comparing two `calibration_report` results (before/after fitting)."""
-    names = list(dict.fromkeys([*before.get("domains", {}), *after.get("domains", {})]))
-    gamma = max(int(before.get("gamma") or 0), int(after.get("gamma") or 0))
+def format_report_table(before: dict[str, Any], after: dict[str, Any],
+                        per_workload: dict[str, Any] | None = None) -> str:
+    """Markdown tables, one per domain, comparing `calibration_report` results: before fitting, after (the
+    pooled map) and, when given, after with per-workload maps."""
+    columns = [("before", before), ("after", after)]
+    if per_workload is not None:
+        columns.append(("after, per workload", per_workload))
+    names = list(dict.fromkeys(n for _, r in columns for n in r.get("domains", {})))
+    gamma = max(int(r.get("gamma") or 0) for _, r in columns)
 
     def get(report: dict[str, Any], domain: str, kind: str, metric: str, position: int | None = None) -> str:
         entry = report.get("domains", {}).get(domain)
@@ -175,15 +223,18 @@ def format_report_table(before: dict[str, Any], after: dict[str, Any]) -> str:
             return "–"
         block = entry[kind]
         if position is None:
-            return _fmt(block["pooled"][metric])
+            return _fmt(block["pooled"].get(metric))
         rows = block["per_position"]
         return _fmt(rows[position - 1][metric]) if position <= len(rows) else "–"
 
     lines: list[str] = []
     for name in names:
-        rounds = (before.get("domains", {}).get(name) or after["domains"][name])["rounds"]
-        lines += [f"### {name} ({rounds} rounds)", "", "| metric | before | after |", "|---|---:|---:|"]
+        rounds = next(r["domains"][name]["rounds"] for _, r in columns if name in r.get("domains", {}))
+        lines += [f"### {name} ({rounds} rounds)", "",
+                  "| metric | " + " | ".join(c for c, _ in columns) + " |",
+                  "|---|" + "---:|" * len(columns)]
         rows = [("cumulative ECE (pooled)", "cumulative", "ece", None),
+                ("ECE noise floor (perfectly calibrated, same rows)", "cumulative", "ece_floor", None),
                 ("cumulative Brier (pooled)", "cumulative", "brier", None),
                 ("cumulative AUROC (pooled)", "cumulative", "auroc", None),
                 ("cumulative log loss (pooled)", "cumulative", "log_loss", None),
@@ -191,15 +242,18 @@ def format_report_table(before: dict[str, Any], after: dict[str, Any]) -> str:
                 ("cumulative rows (pooled)", "cumulative", "count", None)]
         rows += [(f"cumulative ECE k={k}", "cumulative", "ece", k) for k in range(1, gamma + 1)]
         for label, kind, metric, position in rows:
-            lines.append(f"| {label} | {get(before, name, kind, metric, position)} | "
-                         f"{get(after, name, kind, metric, position)} |")
+            lines.append(f"| {label} | " + " | ".join(get(r, name, kind, metric, position) for _, r in columns)
+                         + " |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
 
-def reliability_diagram(records: RoundRecords, maps: Mapping[str, SurvivalMap], path: str | Path,
-                        title: str = "", bins: int = DEFAULT_BINS) -> Path:
+def reliability_diagram(records: RoundRecords,
+                        maps: Mapping[str, SurvivalMap | tuple[SurvivalMap, Mapping[str, SurvivalMap]]],
+                        path: str | Path, title: str = "", bins: int = DEFAULT_BINS) -> Path:
     """Write a PNG reliability diagram of the pooled cumulative survival a_k, one curve per map.
+
+    A value of `maps` may be (pooled map, per-workload maps), scored as in `calibration_report`.
 
     Top: mean predicted vs observed survival per bin (empty bins skipped) and the diagonal; bottom: rows per bin.
     """
@@ -215,8 +269,8 @@ def reliability_diagram(records: RoundRecords, maps: Mapping[str, SurvivalMap], 
     width = 1.0 / bins
     centers = (torch.arange(bins, dtype=torch.float64) + 0.5) * width
     for i, (name, survival_map) in enumerate(maps.items()):
-        with torch.no_grad():
-            pred = survival_map.survival(records.signals, records.available)[valid]
+        pooled, per_workload = survival_map if isinstance(survival_map, tuple) else (survival_map, None)
+        pred = predict(records, pooled, per_workload)[1][valid]
         mean_p, mean_y, count = reliability_bins(pred, y, bins)
         seen = count > 0
         ax.plot(mean_p[seen].numpy(), mean_y[seen].numpy(), marker="o", markersize=3,

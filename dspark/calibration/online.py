@@ -24,7 +24,8 @@ Guards, since the state is fed by user traffic:
 - labelled workloads are kept apart: a label's rounds only fit that label's correction. Unlabelled rounds
   (and labels beyond ``max_workloads`` or outside a declared ``workloads`` list) are pooled into the
   "default" workload; a workload with fewer than ``min_rounds`` effective rounds is served the default
-  workload's correction, or the prior when the default has too few as well.
+  workload's correction, or the prior when the default has too few as well. A workload with offline maps of
+  its own (`Calibration.workload_maps`) has those as its prior, and is served them until its own fit is.
 """
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ class _Stream:
 
     gamma: int
     capacity: int
+    workload: str = DEFAULT                    # the workload whose prior maps the rounds' logits come from
     signals: np.ndarray = field(init=False)    # [C, γ, 3] float32
     z: np.ndarray = field(init=False)          # [C, γ] float64 prior conditional logits (0 past available)
     available: np.ndarray = field(init=False)  # [C] int64 (0 marks a round dropped when its logits were computed)
@@ -199,17 +201,18 @@ class OnlineCalibrator:
         self.ridge = float(ridge)
         self.position_ridge = float(position_ridge)
         self.newton_steps = int(newton_steps)
-        self.declared = None if workloads is None else frozenset(workloads) | {DEFAULT}
+        offline = frozenset(prior.workloads)  # labels with offline maps of their own are always known
+        self.declared = None if workloads is None else frozenset(workloads) | {DEFAULT} | offline
         self.max_workloads = int(max_workloads)
         self.sampled_temperature = float(sampled_temperature)
         self.bins = int(bins)
         self._streams: dict[tuple[str, str], _Stream] = {}
-        self._workloads: set[str] = {DEFAULT}
+        self._workloads: set[str] = {DEFAULT, *offline}
         self._anonymous = 0
         self._counts: Counter[str] = Counter()
         self._rejected: Counter[str] = Counter()
         self._served: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, str]] = {}
-        self._maps: dict[float, tuple[SurvivalMap, bool]] = {}
+        self._maps: dict[tuple[float, str], tuple[SurvivalMap, bool]] = {}
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ workloads and parameters
@@ -239,7 +242,7 @@ class OnlineCalibrator:
         base = self._streams.get((DEFAULT, regime))
         if own is not None and own.trusted:
             out = (own.alpha.clone(), own.beta.clone(), "own" if name != DEFAULT else "default")
-        elif base is not None and base.trusted:
+        elif base is not None and base.trusted and name not in self.prior.workload_maps:
             out = (base.alpha.clone(), base.beta.clone(), "default")
         else:
             out = (torch.ones(self.gamma, dtype=torch.float64), torch.zeros(self.gamma, dtype=torch.float64),
@@ -268,12 +271,14 @@ class OnlineCalibrator:
 
     # ------------------------------------------------------------------ observing
 
-    def _map_for(self, temperature: float) -> tuple[SurvivalMap, bool]:
-        """The prior map of a temperature, and whether it reads the confidence logit (channel 0)."""
-        hit = self._maps.get(temperature)
+    def _map_for(self, temperature: float, name: str = DEFAULT) -> tuple[SurvivalMap, bool]:
+        """The prior map of a temperature and (canonical) workload name — the workload's offline map where it
+        has one, else the pooled one — and whether it reads the confidence logit (channel 0)."""
+        key = (temperature, name)
+        hit = self._maps.get(key)
         if hit is None:
-            m = self.prior.map_for(temperature)
-            hit = self._maps[temperature] = (m, isinstance(m, HeadTemperatureMap))
+            m = self.prior.map_for(temperature, name if name in self.prior.workload_maps else None)
+            hit = self._maps[key] = (m, isinstance(m, HeadTemperatureMap))
         return hit
 
     def _reject(self, reason: str) -> bool:
@@ -344,7 +349,8 @@ class OnlineCalibrator:
             return "nonfinite"
         g = min(sig.shape[0], self.gamma)
         avail, acc = min(avail, g), min(acc, g)
-        if self._map_for(t)[1] and np.isnan(sig[:avail, CONF_LOGIT]).any():
+        if self._map_for(t, self._workload_name(workload, create=False))[1] \
+                and np.isnan(sig[:avail, CONF_LOGIT]).any():
             return "nonfinite"
         if sig.shape[0] != self.gamma:
             pad = np.full((self.gamma, NUM_SIGNALS), np.nan, dtype=np.float32)
@@ -358,7 +364,7 @@ class OnlineCalibrator:
         regime = REGIMES[0] if greedy else REGIMES[1]
         stream = self._streams.get((name, regime))
         if stream is None:
-            stream = self._streams[(name, regime)] = _Stream(self.gamma, self.capacity)
+            stream = self._streams[(name, regime)] = _Stream(self.gamma, self.capacity, name)
         if request_id is None:
             self._anonymous += 1
             request = -self._anonymous
@@ -396,7 +402,7 @@ class OnlineCalibrator:
         stream.pending = 0
         groups: dict[int, tuple[SurvivalMap, list[int]]] = {}
         for slot in slots.tolist():
-            m = self._map_for(float(stream.temperature[slot]))[0]
+            m = self._map_for(float(stream.temperature[slot]), stream.workload)[0]
             groups.setdefault(id(m), (m, []))[1].append(slot)
         k = np.arange(1, self.gamma + 1)[None, :]
         for m, members in groups.values():
@@ -540,9 +546,11 @@ class OnlineCalibrator:
         index = [keys.setdefault((w, t), len(keys)) for t, w in zip(temps, names)]
         with self._lock:
             resolved = [self._resolve(w, REGIMES[0] if t <= 0 else REGIMES[1]) for w, t in keys]
-            maps = [self._map_for(t)[0] for _, t in keys]
+            canonical = [self._workload_name(w, create=False) for w, _ in keys]
+            maps = [self._map_for(t, name)[0] for name, (_, t) in zip(canonical, keys)]
         if all(src == "prior" for *_, src in resolved):
-            return self.prior.survival(signals, available, temps)
+            rows_prior = [canonical[i] if canonical[i] in self.prior.workload_maps else None for i in index]
+            return self.prior.survival(signals, available, temps, rows_prior)
         avail = available.to("cpu")
         sig = fill_unavailable(signals, available)
         c = torch.empty(signals.shape[:2], dtype=signals.dtype if signals.is_floating_point() else torch.float32,

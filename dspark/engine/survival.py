@@ -15,7 +15,7 @@ def survival_for(drafter: Drafter, block: DraftBlock, sampling: BatchSampling, t
                  signals: torch.Tensor | None = None, online=None,
                  workloads: Sequence[str | None] | None = None) -> torch.Tensor:
     """Calibrated survival a [R, γ] of a block: the online calibrator (per workload), else the drafter's
-    calibration (or the default map), on the block's signals (never the drafted tokens' own probabilities)."""
+    calibration (its workload's maps where it has them; else the default map), on the block's signals (never the drafted tokens' own probabilities)."""
     signals = block_signals(block, sampling.greedy) if signals is None else signals
     if signals.shape[1] == 0:  # no row drafted anything (e.g. no n-gram match)
         return torch.zeros(signals.shape[0], 0)
@@ -24,4 +24,4 @@ def survival_for(drafter: Drafter, block: DraftBlock, sampling: BatchSampling, t
     calibration = getattr(drafter, "calibration", None)
     if calibration is None:
         return default_map(block.confidences is not None, signals.shape[1]).survival(signals, block.lengths.cpu())
-    return calibration.survival(signals, block.lengths.cpu(), temperatures)
+    return calibration.survival(signals, block.lengths.cpu(), temperatures, workloads)
