@@ -221,6 +221,7 @@ def generate(
     scheduler: str = "fixed",
     cost_model: CostModel | None = None,
     profile: str | Path | None = None,
+    workload: str | None = None,
 ) -> list[GenerationResult]:
     """Generate for one prompt or a batch; return per prompt the token ids, the text and per-round stats.
 
@@ -228,7 +229,11 @@ def generate(
     scheduler: how many drafts each request verifies per step ("fixed" verifies the whole block; see
     `dspark.scheduling`). "dspark" and "dspark-async" need this machine's step-cost profile: `cost_model`,
     or the profile file `profile`, or the cached profile of this setup (measured now when there is none).
+    workload: a label (e.g. "math") whose survival calibration the adaptive schedulers use where the drafter's
+    calibration has one.
     """
+    if workload is not None:
+        check_text("workload", workload)
     if isinstance(prompts, str):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or not prompts:
@@ -245,7 +250,7 @@ def generate(
     if sched.needs_cost and cost_model is None:
         cost_model = step_cost_model(target, drafter, len(ids), profile)
     results = decode(target, drafter, ids, params, max_new_tokens, on_tokens=on_tokens, scheduler=sched,
-                     cost_model=cost_model)
+                     cost_model=cost_model, workloads=None if workload is None else [workload] * len(ids))
     for r in results:
         r.text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     return results

@@ -198,7 +198,20 @@ def _existing(text: str) -> str:
     raise ValueError(f"no such file or folder: {text}")
 
 
+def _label(text: str) -> str:
+    check_text("the label", text)
+    if len(text) > 64:
+        raise ValueError(f"labels are at most 64 characters, got {len(text)}")
+    return text
+
+
+def check_domain(text: str) -> str:
+    """`text` if bundled evaluation prompts exist for it; ValueError listing the known domains otherwise."""
+    return _domain(text)
+
+
 device_arg = _argtype(_device, "device")
+label_arg = _argtype(_label, "label")
 existing_path_arg = _argtype(_existing, "path")
 drafter_arg = _argtype(_drafter, "drafter")
 scheduler_arg = _argtype(_scheduler, "scheduler")

@@ -7,8 +7,8 @@ import sys
 import time
 
 from dspark.api import DRAFTER_NAMES, generate, load_drafter, load_target
-from dspark.arguments import (Parser, device_arg, domain_arg, drafter_arg, existing_path_arg, int_arg, real_arg,
-                              scheduler_arg)
+from dspark.arguments import (Parser, check_domain, device_arg, domain_arg, drafter_arg, existing_path_arg, int_arg,
+                              label_arg, real_arg, scheduler_arg)
 
 POSITIVE = int_arg(1)
 COUNT = int_arg(0)
@@ -82,6 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         on_tokens=streamer,
         scheduler=args.scheduler,
         profile=args.profile,
+        workload=args.workload,
     )
     seconds = time.perf_counter() - start
     n = len(result.token_ids)
@@ -114,6 +115,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         profile=args.profile,
     )
     return 0
+
+
+def _check_calibrate(args: argparse.Namespace) -> str | None:
+    if args.prompts:
+        return None
+    for d in args.domains:
+        try:
+            check_domain(d)
+        except ValueError as err:
+            return f"argument --domains: {err}"
+    return None
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -236,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    g.add_argument("--workload", default=None, type=label_arg, help="workload label (e.g. math) whose survival calibration the "
+                                                    "adaptive schedulers use, where the drafter's has one")
     _add_model_args(g)
     _add_scheduler_args(g)
     g.set_defaults(func=cmd_generate)
@@ -257,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="fit a drafter's survival calibration on recorded rounds and report "
                                            "ECE / Brier / AUROC / log loss before and after on disjoint prompts")
     cal.add_argument("drafter", type=drafter_arg, help=f"{' | '.join(DRAFTER_NAMES)} | PATH")
-    cal.add_argument("--domains", nargs="+", default=["code", "prose", "math"], type=domain_arg)
+    cal.add_argument("--domains", nargs="+", default=["code", "prose", "math"], type=label_arg,
+                     help="domains to calibrate (with --prompts, any labels of the files' rows; else bundled ones)")
     cal.add_argument("--temperatures", "--temperature", nargs="+", type=TEMPERATURE, default=[0.0, 1.0])
     cal.add_argument("--out", default=None, help="calibration JSON (default: calibration.json beside the drafter, "
                                                  "which load_drafter picks up); other temperatures in it are kept")
@@ -279,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--records-dir", default=None, help="also save the recorded fitting and held-out rounds "
                                                          "here (safetensors), to refit or rescore without decoding")
     _add_model_args(cal)
-    cal.set_defaults(func=cmd_calibrate)
+    cal.set_defaults(func=cmd_calibrate, check=_check_calibrate, command="calibrate")
 
     pr = sub.add_parser("profile", help="measure the whole-step cost of decoding on this machine over a grid of "
                                         "(requests, verified tokens) for the dspark schedulers")
@@ -366,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # --help, or a bad argument (already reported)
         return stop.code if isinstance(stop.code, int) else 2
+    problem = args.check(args) if hasattr(args, "check") else None  # checks across arguments, before loading
+    if problem:
+        print(f"dspark {args.command}: error: {problem} (see dspark {args.command} --help)", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ValueError, OSError) as err:

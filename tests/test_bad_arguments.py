@@ -59,6 +59,9 @@ CLI = [
     (["calibrate", "ngram", "--fit-prompts", "0"], "argument --fit-prompts: must be an integer >= 1, got 0"),
     (["calibrate", "ngram", "--fit-offset", "-1"], "argument --fit-offset: must be an integer >= 0, got -1"),
     (["calibrate", "ngram", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got 0"),
+    (["calibrate", "ngram", "--domains", "poetry"], "unknown domain 'poetry': choose from code, math, prose"),
+    (["generate", "hi", "--workload", ""], "argument --workload: the label is empty"),
+    (["generate", "hi", "--workload", "w" * 65], "argument --workload: labels are at most 64 characters, got 65"),
     (["calibrate", "ngram", "--temperature", "-0.5"], "argument --temperatures/--temperature: must be a finite "
                                                       "number >= 0, got -0.5"),
     (["train", "dspark", "--data", "/no/such.jsonl", "--out", "x"], "argument --data: no such file or folder: "

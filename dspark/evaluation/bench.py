@@ -125,7 +125,7 @@ def run_bench(
                     t0 = time.perf_counter()
                     _, spec, cost = arms[name]
                     (res,) = decode(target, loaded[name], [ids], params, max_new_tokens, scheduler=spec,
-                                    cost_model=cost)
+                                    cost_model=cost, workloads=[domain])
                     seconds[name] += time.perf_counter() - t0
                     outs[name].append(res)
             base_tps = sum(len(r.token_ids) for r in outs["none"]) / seconds["none"]
