@@ -138,7 +138,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         args.fit_prompts = 40 if args.fit_prompts is None else args.fit_prompts
     elif args.eval_prompts is None and (args.fit_prompts is not None or args.fit_offset is not None):
         raise ValueError("with --prompts, give --eval-prompts together with --fit-prompts / --fit-offset, "
-                         "or none of them (each domain's prompts are then split in halves)")
+                         "or none of them (each domain's prompts are then split alternately)")
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target, args.gamma, calibration=None)
     out = args.out or calibration_path(drafter)
@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "*_heldout.jsonl) instead of the 120 bundled held-out prompts per domain")
     cal.add_argument("--eval-prompts", type=POSITIVE, default=None,
                      help="scoring prompts per domain, from 0 (disjoint; default 40, or with --prompts and none of "
-                          "the three counts given, each domain's first half scored and second half fitted)")
+                          "the three counts given, each domain's even-numbered prompts scored and odd-numbered ones fitted)")
     cal.add_argument("--max-new-tokens", type=POSITIVE, default=128)
     cal.add_argument("--batch-size", type=POSITIVE, default=8)
     cal.add_argument("--seed", type=int, default=0)

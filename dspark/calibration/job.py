@@ -109,7 +109,8 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
     records_dir: also save the fitting and held-out rounds there (safetensors), to refit or rescore offline.
     prompt_texts: prompts per domain (`read_prompt_files`) instead of the bundled 120 per domain; a domain
     with fewer than fit_offset + fit_prompts of them fits on what it has past the scored ones. With
-    prompt_texts and eval_prompts None, each domain's first half is scored and its second half fitted.
+    prompt_texts and eval_prompts None, each domain's even-numbered prompts are scored and its odd-numbered
+    ones fitted (interleaved, since prompt files are often ordered by source).
     """
     if eval_prompts is None:
         if prompt_texts is None:
@@ -119,11 +120,11 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
             texts = prompt_texts[d]
             if len(texts) < 2:
                 raise ValueError(f"domain {d!r} has {len(texts)} prompt(s): two or more are needed to split")
-            half = len(texts) // 2
-            fit.append(record_rounds(target, drafter, domain_prompts(target, d, half, len(texts), texts),
+            fit_texts, held_texts = texts[1::2], texts[0::2]  # interleaved: files are often ordered by source
+            fit.append(record_rounds(target, drafter, domain_prompts(target, d, 0, len(fit_texts), fit_texts),
                                      temperature, max_new_tokens, batch_size, seed, d))
-            held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, half, texts), temperature,
-                                      max_new_tokens, batch_size, seed + 10_000, d))
+            held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, len(held_texts), held_texts),
+                                      temperature, max_new_tokens, batch_size, seed + 10_000, d))
         return _finish(fit, held, temperature, plot_dir, label, records_dir)
     fit_prompts = 40 if fit_prompts is None else fit_prompts
     fit_offset = (eval_prompts if prompt_texts is not None else 60) if fit_offset is None else fit_offset

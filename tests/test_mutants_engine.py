@@ -1,0 +1,1 @@
+"""Tests written to kill surviving mutants of the lossless core (benchmarks/mutation_test.sh)."""
