@@ -147,7 +147,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     run_calibrate(target, drafter, out, args.temperatures, args.domains, label=getattr(drafter, "name", args.drafter),
                   fit_prompts=args.fit_prompts, eval_prompts=args.eval_prompts, fit_offset=args.fit_offset,
                   prompt_texts=texts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-                  plot_dir=args.plot_dir, records_dir=args.records_dir)
+                  plot_dir=args.plot_dir, records_dir=args.records_dir, method=args.method,
+                  from_records=args.from_records)
     print(f"wrote {out}")
     return 0
 
@@ -291,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--batch-size", type=POSITIVE, default=8)
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--plot-dir", default=None, help="write reliability diagrams (PNG) before/after here")
+    cal.add_argument("--method", choices=["binned", "sts"], default="binned",
+                     help="binned: histogram binning on top of Sequential Temperature Scaling (or the logistic "
+                          "map of drafters without a confidence head); sts: the scaling alone, as in the paper")
+    cal.add_argument("--from-records", default=None, type=existing_path_arg, metavar="DIR",
+                     help="refit on the rounds an earlier run saved with --records-dir instead of decoding")
     cal.add_argument("--records-dir", default=None, help="also save the recorded fitting and held-out rounds "
                                                          "here (safetensors), to refit or rescore without decoding")
     _add_model_args(cal)

@@ -228,7 +228,8 @@ def test_sequential_temperature_scaling_recovers_temperatures_and_calibrates() -
         assert before["headline_ece"][domain] > 0.04
         assert after["headline_ece"][domain] < 0.02
     assert pooled(after, metric="log_loss") < pooled(before, metric="log_loss")
-    assert isinstance(fit_map(records, has_head=True), HeadTemperatureMap)
+    assert isinstance(fit_map(records, has_head=True, method="sts"), HeadTemperatureMap)
+    assert isinstance(fit_map(records, has_head=True).base, HeadTemperatureMap)  # binned on top by default
     with pytest.raises(ValueError, match="no confidence head"):
         fit_sequential_temperature(logistic_records(n=200))
 
@@ -244,7 +245,8 @@ def test_sequential_temperature_ties_prefer_one() -> None:
 def test_logistic_fit_recovers_the_model_and_beats_a_constant() -> None:
     records = logistic_records()
     fitted = fit_logistic(records)
-    assert isinstance(fit_map(records, has_head=False), LogisticMap)
+    assert isinstance(fit_map(records, has_head=False, method="sts"), LogisticMap)
+    assert isinstance(fit_map(records, has_head=False).base, LogisticMap)
     for w_fit, w in zip(fitted.weights, W_TRUE, strict=True):
         assert np.allclose(w_fit, w, atol=0.35), (fitted.weights, W_TRUE)
     for prior_fit, prior in zip(fitted.prior, PRIOR_TRUE, strict=True):

@@ -89,7 +89,7 @@ def test_noise_floor_matches_a_perfectly_calibrated_predictor_and_not_a_wrong_on
 
 def test_per_domain_fit_calibrates_domains_one_temperature_cannot() -> None:
     fit, held = two_domain_records(seed=0), two_domain_records(seed=1)
-    run = fit_and_score(fit, held, 1.0, label="synthetic")
+    run = fit_and_score(fit, held, 1.0, label="synthetic", method="sts")
     assert set(run.workload_maps) == {"code", "math"}
     assert run.workload_maps["code"].temperatures[0] == pytest.approx(0.5, rel=0.15)
     assert run.workload_maps["math"].temperatures[0] == pytest.approx(3.0, rel=0.15)
@@ -140,3 +140,59 @@ def test_decode_uses_each_requests_workload_calibration() -> None:
     assert all(r.draft_len == 0 for r in out[1].rounds)  # its workload's map never clears the threshold
     with pytest.raises(ValueError, match="2 workload labels for 1 prompts"):
         decode(target, drafter, prompts[:1], max_new_tokens=4, workloads=[None, "x"])
+
+
+# ---------------------------------------------------------------- histogram binning
+
+
+def uninformative_middle_records(n: int = 20000, seed: int = 0) -> RoundRecords:
+    """A head whose logit is informative only at the extremes: rows with |logit| < 1 survive with
+    probability 0.3 whatever the logit says, a pattern no temperature can fix."""
+    gen = torch.Generator().manual_seed(seed)
+    gamma = 3
+    z = torch.randn(n, gamma, generator=gen, dtype=torch.float64) * 2.0
+    p = torch.where(z.abs() < 1, torch.full_like(z, 0.3), torch.sigmoid(z))
+    available = random_available(n, gamma, gen)
+    accepted = chain_accepted(p, available, gen)
+    signals = torch.full((n, gamma, 3), NAN)
+    signals[..., 0] = z.float()
+    return RoundRecords(signals, available, accepted, torch.ones(n, dtype=torch.bool))
+
+
+def test_binned_map_round_trips_keeps_survival_non_increasing_and_reads_its_base() -> None:
+    from dspark.calibration.maps import BinnedMap, map_from_dict
+
+    m = BinnedMap(HeadTemperatureMap([1.0, 2.0]), edges=[[0.3, 0.6], [0.5]], values=[[0.9, 0.2, 0.7], [0.1, 0.95]])
+    assert m.reads_head and map_from_dict(json.loads(json.dumps(m.to_dict()))).to_dict() == m.to_dict()
+    signals = torch.randn(50, 4, 3)
+    available = torch.randint(0, 5, (50,))
+    signals[torch.arange(4).view(1, -1) >= available.view(-1, 1)] = NAN  # padding past available is allowed
+    a = m.survival(signals, available)
+    assert bool((a[:, 1:] <= a[:, :-1] + 1e-7).all())  # a prefix order per row
+    assert bool((a[torch.arange(4).view(1, -1) >= available.view(-1, 1)] == 0).all())
+    base = torch.cumprod(torch.sigmoid(torch.nan_to_num(signals[..., 0]) / torch.tensor([1.0, 2.0, 2.0, 2.0])), 1)
+    row = int(torch.nonzero(available == 4)[0])
+    first = {0: 0.9, 1: 0.2, 2: 0.7}[int(torch.bucketize(base[row, 0], torch.tensor([0.3, 0.6]), right=True))]
+    assert float(a[row, 0]) == pytest.approx(first, abs=1e-6)
+    with pytest.raises(ValueError, match="edges must be finite and increasing"):
+        BinnedMap(HeadTemperatureMap([1.0]), edges=[[0.6, 0.3]], values=[[0.1, 0.2, 0.3]])
+    with pytest.raises(ValueError, match="bin values must lie in"):
+        BinnedMap(HeadTemperatureMap([1.0]), edges=[[]], values=[[1.0]])
+    with pytest.raises(ValueError, match=r"field 'map.base.kind'"):
+        map_from_dict({"kind": "binned", "base": {"kind": "nope"}, "edges": [[]], "values": [[0.5]]})
+
+
+def test_binning_calibrates_a_head_no_temperature_can() -> None:
+    from dspark.calibration.fit import fit_binned, fit_map, fit_sequential_temperature
+
+    fit, held = uninformative_middle_records(seed=0), uninformative_middle_records(seed=1)
+    sts = fit_sequential_temperature(fit)
+    binned = fit_binned(fit, sts)
+    assert fit_map(fit, True).to_dict() == binned.to_dict() and fit_map(fit, True, "sts").to_dict() == sts.to_dict()
+    r_sts, r_bin = calibration_report(held, sts), calibration_report(held, binned)
+    assert r_sts["headline_ece"]["all"] > 0.03
+    assert r_bin["headline_ece"]["all"] < 0.5 * r_sts["headline_ece"]["all"]
+    assert r_bin["headline_ece"]["all"] < 3 * r_bin["ece_floor"]["all"]
+    assert r_bin["domains"]["all"]["cumulative"]["pooled"]["brier"] < r_sts["domains"]["all"]["cumulative"]["pooled"]["brier"]
+    with pytest.raises(ValueError, match="unknown calibration method 'isotonic'"):
+        fit_map(fit, True, "isotonic")

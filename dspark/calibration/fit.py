@@ -2,6 +2,8 @@
 
 - Sequential Temperature Scaling (drafters with a confidence head): left to right, T_k minimises the ECE of the
   cumulative survival a_k = Π_{j≤k} sigmoid(logit_j / T_j) with T_1..T_{k−1} already fixed.
+- Histogram binning on top of either (`fit_binned`): per position, equal-mass bins of the base map's cumulative
+  survival, each bin's value the observed survival of its rows (smoothed towards the bin's mean prediction).
 - Logistic maps (drafters without a head): per position, a logistic regression of the conditional label on
   log max_q and the entropy of the drafting distribution for sampled rows, a smoothed prior for the rest.
 """
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.calibration.maps import HeadTemperatureMap, LogisticMap, SurvivalMap
+from dspark.calibration.maps import BinnedMap, HeadTemperatureMap, LogisticMap, SurvivalMap, fill_unavailable
 from dspark.calibration.metrics import DEFAULT_BINS, ece_batch
 from dspark.calibration.records import RoundRecords
 from dspark.calibration.signals import CONF_LOGIT, ENTROPY, MAX_Q
@@ -137,6 +139,49 @@ def fit_logistic(records: RoundRecords, l2: float = 1e-3) -> LogisticMap:
     return LogisticMap(priors, weights)
 
 
-def fit_map(records: RoundRecords, has_head: bool) -> SurvivalMap:
-    """Sequential Temperature Scaling for a drafter with a confidence head, else a logistic map."""
-    return fit_sequential_temperature(records) if has_head else fit_logistic(records)
+def fit_binned(records: RoundRecords, base: SurvivalMap, bins: int = 10, smoothing: float = 2.0) -> BinnedMap:
+    """Histogram binning of `base`'s cumulative survival, per position on the rows that reached it.
+
+    Position k's inner edges are the base survival's quantiles (equal-mass bins, ties merged); a bin's value is
+    (Σ labels + smoothing · mean prediction) / (rows + smoothing). A position without rows copies the previous
+    one (a single bin of 0.5 at k = 1).
+    """
+    if bins < 1 or smoothing < 0:
+        raise ValueError(f"bins must be ≥ 1 and smoothing ≥ 0, got {bins} and {smoothing}")
+    with torch.no_grad():
+        cond = base.conditional(fill_unavailable(records.signals, records.available)).to(torch.float64)
+    a = torch.cumprod(cond, dim=1)
+    labels, valid = records.cumulative_labels()
+    edges: list[list[float]] = []
+    values: list[list[float]] = []
+    for k in range(records.gamma):
+        rows = valid[:, k]
+        if not bool(rows.any()):
+            edges.append(list(edges[-1]) if edges else [])
+            values.append(list(values[-1]) if values else [0.5])
+            continue
+        p, y = a[rows, k], labels[rows, k].to(torch.float64)
+        inner = torch.quantile(p, torch.linspace(0, 1, bins + 1, dtype=torch.float64)[1:-1]) if bins > 1 \
+            else torch.zeros(0, dtype=torch.float64)
+        e = sorted({float(x) for x in inner.tolist()})
+        idx = torch.bucketize(p, torch.tensor(e, dtype=torch.float64), right=True)
+        n = torch.bincount(idx, minlength=len(e) + 1).to(torch.float64)
+        sum_y = torch.zeros(len(e) + 1, dtype=torch.float64).index_add_(0, idx, y)
+        sum_p = torch.zeros(len(e) + 1, dtype=torch.float64).index_add_(0, idx, p)
+        mean_p = torch.where(n > 0, sum_p / n.clamp_min(1), torch.full_like(n, float(p.mean())))
+        v = ((sum_y + smoothing * mean_p) / (n + smoothing)).clamp(1e-4, 1 - 1e-4)
+        edges.append(e)
+        values.append(v.tolist())
+    return BinnedMap(base, edges, values)
+
+
+METHODS = ("binned", "sts")
+
+
+def fit_map(records: RoundRecords, has_head: bool, method: str = "binned") -> SurvivalMap:
+    """Sequential Temperature Scaling for a drafter with a confidence head, else a logistic map; with
+    method "binned" (the default), histogram binning on top of it."""
+    if method not in METHODS:
+        raise ValueError(f"unknown calibration method {method!r}: choose one of {', '.join(METHODS)}")
+    base = fit_sequential_temperature(records) if has_head else fit_logistic(records)
+    return fit_binned(records, base) if method == "binned" else base

@@ -103,7 +103,8 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
                           max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
                           plot_dir: str | Path | None = None, label: str = "drafter",
                           records_dir: str | Path | None = None,
-                          prompt_texts: dict[str, list[str]] | None = None) -> CalibrationRun:
+                          prompt_texts: dict[str, list[str]] | None = None,
+                          method: str = "binned", from_records: str | Path | None = None) -> CalibrationRun:
     """Fit the drafter's survival map at one temperature and score it before and after on disjoint prompts.
 
     records_dir: also save the fitting and held-out rounds there (safetensors), to refit or rescore offline.
@@ -111,7 +112,13 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
     with fewer than fit_offset + fit_prompts of them fits on what it has past the scored ones. With
     prompt_texts and eval_prompts None, each domain's even-numbered prompts are scored and its odd-numbered
     ones fitted (interleaved, since prompt files are often ordered by source).
+    method: "binned" (histogram binning on STS / the logistic map) or "sts" (the map alone). from_records: a
+    --records-dir folder of an earlier run: refit on its rounds instead of decoding.
     """
+    if from_records is not None:
+        fit_path, eval_path = records_paths(from_records, label, temperature)
+        return fit_and_score(RoundRecords.load(fit_path), RoundRecords.load(eval_path), temperature, plot_dir,
+                             label, method)
     if eval_prompts is None:
         if prompt_texts is None:
             raise ValueError("eval_prompts is needed with the bundled prompts")
@@ -125,7 +132,7 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
                                      temperature, max_new_tokens, batch_size, seed, d))
             held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, len(held_texts), held_texts),
                                       temperature, max_new_tokens, batch_size, seed + 10_000, d))
-        return _finish(fit, held, temperature, plot_dir, label, records_dir)
+        return _finish(fit, held, temperature, plot_dir, label, records_dir, method)
     fit_prompts = 40 if fit_prompts is None else fit_prompts
     fit_offset = (eval_prompts if prompt_texts is not None else 60) if fit_offset is None else fit_offset
     if fit_offset < eval_prompts:
@@ -144,30 +151,37 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
                                  temperature, max_new_tokens, batch_size, seed, d))
         held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, eval_prompts, texts), temperature,
                                   max_new_tokens, batch_size, seed + 10_000, d))
-    return _finish(fit, held, temperature, plot_dir, label, records_dir)
+    return _finish(fit, held, temperature, plot_dir, label, records_dir, method)
 
 
 def _finish(fit: list[RoundRecords], held: list[RoundRecords], temperature: float, plot_dir: str | Path | None,
-            label: str, records_dir: str | Path | None) -> CalibrationRun:
+            label: str, records_dir: str | Path | None, method: str) -> CalibrationRun:
     fit_records, eval_records = RoundRecords.concat(fit), RoundRecords.concat(held)
     if records_dir is not None:
         Path(records_dir).mkdir(parents=True, exist_ok=True)
-        fit_records.save(Path(records_dir) / f"{label}_T{temperature:g}_fit.safetensors")
-        eval_records.save(Path(records_dir) / f"{label}_T{temperature:g}_eval.safetensors")
-    return fit_and_score(fit_records, eval_records, temperature, plot_dir, label)
+        fit_path, eval_path = records_paths(records_dir, label, temperature)
+        fit_records.save(fit_path)
+        eval_records.save(eval_path)
+    return fit_and_score(fit_records, eval_records, temperature, plot_dir, label, method)
+
+
+def records_paths(records_dir: str | Path, label: str, temperature: float) -> tuple[Path, Path]:
+    """(fitting, held-out) round files of a drafter label and temperature in a --records-dir folder."""
+    folder = Path(records_dir)
+    return (folder / f"{label}_T{temperature:g}_fit.safetensors", folder / f"{label}_T{temperature:g}_eval.safetensors")
 
 
 def fit_and_score(fit_records: RoundRecords, eval_records: RoundRecords, temperature: float,
-                  plot_dir: str | Path | None = None, label: str = "drafter") -> CalibrationRun:
+                  plot_dir: str | Path | None = None, label: str = "drafter", method: str = "binned") -> CalibrationRun:
     """Fit the pooled map (and one per domain when there are several) and score them on the held-out rounds."""
     has_head = bool(torch.isfinite(fit_records.signals[..., 0]).any())
     before_map = default_map(has_head, fit_records.gamma)
-    fitted = fit_map(fit_records, has_head)
+    fitted = fit_map(fit_records, has_head, method)
     domains = [d for d in fit_records.domains() if d]
     workload_maps: dict[str, SurvivalMap] = {}
     if len(domains) > 1:
         for d in domains:
-            workload_maps[d] = fit_map(fit_records.subset([x == d for x in fit_records.domain]), has_head)
+            workload_maps[d] = fit_map(fit_records.subset([x == d for x in fit_records.domain]), has_head, method)
     before = calibration_report(eval_records, before_map)
     after = calibration_report(eval_records, fitted)
     after_workload = calibration_report(eval_records, fitted, workload_maps) if workload_maps else None

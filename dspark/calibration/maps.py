@@ -120,6 +120,8 @@ class SurvivalMap(ABC):
     def length(self) -> int:
         """Number of fitted positions."""
 
+    reads_head: ClassVar[bool] = False  # whether the map reads the confidence-head logit (signal channel 0)
+
     def survival(self, signals: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
         """Cumulative survival a_k = c_1⋯c_k [n, γ], zero for positions k > available[r]."""
         c = self.conditional(signals)
@@ -137,6 +139,7 @@ class HeadTemperatureMap(SurvivalMap):
     """c_k = sigmoid(logit_k / T_k) of the confidence head (Sequential Temperature Scaling)."""
 
     kind = "head-temperature"
+    reads_head = True
 
     def __init__(self, temperatures: Sequence[float]) -> None:
         temps = _finite_list(temperatures, "temperatures")
@@ -233,7 +236,76 @@ class ConstantMap(SurvivalMap):
         return v.view(1, -1).expand(s.shape[0], -1).clamp(_EPS, 1 - _EPS)
 
 
-MAP_KINDS: dict[str, type[SurvivalMap]] = {m.kind: m for m in (HeadTemperatureMap, LogisticMap, ConstantMap)}
+class BinnedMap(SurvivalMap):
+    """Histogram binning on top of another map: a_k = min(a_{k−1}, v_k[bin_k(â_k)]) where â_k is the base map's
+    cumulative survival, bin_k its bin among the fitted edges of position k, and v_k the bin's observed survival.
+
+    Bins need not be monotone: they fix what a monotone rescaling (a temperature) cannot, e.g. a head whose
+    middle range carries no information. The min keeps a_k non-increasing in k, so each row's admitted drafts
+    stay a prefix. It reads only what the base map reads (non-anticipating when the base is).
+    """
+
+    kind = "binned"
+
+    def __init__(self, base: SurvivalMap, edges: Sequence[Sequence[float]], values: Sequence[Sequence[float]]) -> None:
+        if isinstance(base, BinnedMap):
+            raise ValueError("the base of a binned map cannot itself be binned")
+        edge_rows = [[float(e) for e in row] for row in edges]
+        value_rows = [_finite_list(v, f"values[{k}]") for k, v in enumerate(values)]
+        if not value_rows or len(edge_rows) != len(value_rows):
+            raise ValueError(f"binned map needs one edges row per values row, got {len(edge_rows)} and "
+                             f"{len(value_rows)}")
+        for k, (e, v) in enumerate(zip(edge_rows, value_rows)):
+            if len(e) != len(v) - 1:
+                raise ValueError(f"position {k + 1}: {len(v)} bins need {len(v) - 1} inner edges, got {len(e)}")
+            if any(not math.isfinite(x) for x in e) or any(b <= a for a, b in zip(e, e[1:])):
+                raise ValueError(f"position {k + 1}: edges must be finite and increasing, got {e}")
+            if not all(0 < x < 1 for x in v):
+                raise ValueError(f"position {k + 1}: bin values must lie in (0, 1), got {v}")
+        self.base = base
+        self.edges = edge_rows
+        self.values = value_rows
+
+    @property
+    def reads_head(self) -> bool:  # type: ignore[override]
+        return self.base.reads_head
+
+    @property
+    def length(self) -> int:
+        return len(self.values)
+
+    def params(self) -> dict[str, Any]:
+        return {"base": self.base.to_dict(), "edges": [list(e) for e in self.edges],
+                "values": [list(v) for v in self.values]}
+
+    def cumulative(self, signals: torch.Tensor) -> torch.Tensor:
+        """a_k [n, γ] before masking by the available drafts."""
+        base = torch.cumprod(self.base.conditional(signals), dim=1)
+        out = torch.empty_like(base)
+        prev = torch.ones(base.shape[0], dtype=base.dtype, device=base.device)
+        for k in range(base.shape[1]):
+            j = min(k, len(self.values) - 1)
+            edges = torch.tensor(self.edges[j], dtype=base.dtype, device=base.device)
+            values = torch.tensor(self.values[j], dtype=base.dtype, device=base.device)
+            a = values[torch.bucketize(base[:, k].contiguous(), edges, right=True)]
+            prev = torch.minimum(prev, a)
+            out[:, k] = prev
+        return out
+
+    def conditional(self, signals: torch.Tensor) -> torch.Tensor:
+        _check_signals(signals)
+        a = self.cumulative(_float_dtype(signals)).clamp(_EPS, 1 - _EPS)
+        prev = torch.cat([torch.ones_like(a[:, :1]), a[:, :-1]], dim=1)
+        return (a / prev).clamp_(_EPS, 1 - _EPS)
+
+    def survival(self, signals: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+        """As `SurvivalMap.survival`; NaN head logits only past `available` (padding) are allowed."""
+        _check_signals(signals)
+        return super().survival(fill_unavailable(signals, available), available)
+
+
+MAP_KINDS: dict[str, type[SurvivalMap]] = {m.kind: m for m in (HeadTemperatureMap, LogisticMap, ConstantMap,
+                                                                BinnedMap)}
 
 
 def default_map(has_head: bool, gamma: int) -> SurvivalMap:
@@ -259,10 +331,19 @@ def map_from_dict(data: Any, where: str = "map") -> SurvivalMap:
     if kind not in MAP_KINDS:
         raise ValueError(f"field '{where}.kind' must be one of {sorted(MAP_KINDS)}, got {kind!r}")
     for name in {"head-temperature": ["temperatures"], "logistic": ["prior", "weights"],
-                 "constant": ["values"]}[kind]:
+                 "constant": ["values"], "binned": ["base", "edges", "values"]}[kind]:
         if name not in data:
             raise ValueError(f"field '{where}.{name}' is missing (kind {kind!r})")
     try:
+        if kind == "binned":
+            base = map_from_dict(data["base"], f"{where}.base")
+            rows = data["values"]
+            if not isinstance(rows, list) or not rows or not isinstance(data["edges"], list) \
+                    or len(data["edges"]) != len(rows):
+                raise ValueError(f"field '{where}.edges' must be a list of rows, one per row of '{where}.values'")
+            values = [_number_list(v, f"{where}.values[{k}]") for k, v in enumerate(rows)]
+            edges = [[] if e == [] else _number_list(e, f"{where}.edges[{k}]") for k, e in enumerate(data["edges"])]
+            return BinnedMap(base, edges, values)
         if kind == "head-temperature":
             return HeadTemperatureMap(_number_list(data["temperatures"], f"{where}.temperatures"))
         if kind == "constant":

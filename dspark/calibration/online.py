@@ -41,7 +41,6 @@ import torch
 
 from dspark.calibration.maps import (
     Calibration,
-    HeadTemperatureMap,
     SurvivalMap,
     fill_unavailable,
     json_safe,
@@ -278,7 +277,7 @@ class OnlineCalibrator:
         hit = self._maps.get(key)
         if hit is None:
             m = self.prior.map_for(temperature, name if name in self.prior.workload_maps else None)
-            hit = self._maps[key] = (m, isinstance(m, HeadTemperatureMap))
+            hit = self._maps[key] = (m, m.reads_head)
         return hit
 
     def _reject(self, reason: str) -> bool:
