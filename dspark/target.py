@@ -63,6 +63,9 @@ class CausalLM:
         self.tokenizer = tokenizer
         self.feature_layers = check_feature_layers(feature_layers, num_decoder_layers(model))
         self.compact_slack = compact_slack
+        #: most slots a row may span (the padded cache holds batch × width); a pass that would widen the cache
+        #: past it compacts first. None: no limit.
+        self.max_width: int | None = None
         self.reset(0)
 
     # ----------------------------------------------------------------- properties
@@ -231,6 +234,11 @@ class CausalLM:
         device = self.device
         counts = torch.tensor([len(t) for t in new_tokens], dtype=torch.long, device=device)
         width = max(1, int(counts.max()) if len(new_tokens) else 1)
+        if self.max_width is not None and self.valid.shape[1] + width > self.max_width:
+            self.compact()
+            if self.valid.shape[1] + width > self.max_width:
+                raise ValueError(f"a pass of {width} tokens after rows of up to {self.valid.shape[1]} would span "
+                                 f"more than max_width={self.max_width} slots")
         ids = torch.zeros(self.batch_size, width, dtype=torch.long)
         for r, toks in enumerate(new_tokens):
             if len(toks):

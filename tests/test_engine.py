@@ -319,3 +319,36 @@ def test_cache_compaction_while_decoding_keeps_outputs(bundled_target, prompts, 
     assert calls["target"] > 0 and calls["context"] > 0
     for req in requests:
         assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens)
+
+
+def test_the_kv_budget_bounds_the_slots_the_cache_allocates(bundled_target, dspark_drafter, prompts):
+    """Rows are padded to the widest: mixed long and short requests arriving over time must never make the
+    target's caches (decoding and prefilling rows together) allocate more slots than kv_budget_tokens, and
+    every greedy output stays its standalone output."""
+    from dspark.serving.metrics import kv_cache_size
+
+    gamma = drafter_gamma(dspark_drafter)
+    long_prompt = [t for p in prompts[:6] for t in p][:300]
+    chosen = [long_prompt, prompts[1], prompts[2], long_prompt[:150], prompts[4], prompts[5], prompts[6]]
+    lengths = [24, 8, 30, 16, 12, 28, 20]
+    widest = max(len(p) + m + gamma + 1 for p, m in zip(chosen, lengths))
+    budget = 3 * widest  # room for three rows at the widest reservation
+    config = EngineConfig(max_running=8, kv_budget_tokens=budget, prefill_chunk=64)
+    engine = Engine(bundled_target, dspark_drafter, "fixed", config=config)
+    requests = [Request(p, max_tokens=m) for p, m in zip(chosen, lengths)]
+    seen = {"slots": 0, "rows": 0}
+
+    def watch(engine, _outs) -> None:
+        seen["slots"] = max(seen["slots"], kv_cache_size(engine)[0])
+        seen["rows"] = max(seen["rows"], len(engine.running) + len(engine.prefilling))
+        assert kv_cache_size(engine)[0] <= budget
+
+    run_staggered(engine, requests, [0, 0, 1, 3, 3, 9, 12], watch)
+    for req, p, m in zip(requests, chosen, lengths):
+        assert req.output_ids == standalone(bundled_target, p, m)
+    assert seen["rows"] == 3 and seen["slots"] > widest  # the budget binds, and the cache does use it
+    unlimited = Engine(bundled_target, dspark_drafter, "fixed", config=EngineConfig(max_running=8))
+    assert bundled_target.max_width is None  # a new engine drops the width limit the last one set
+    again = [Request(p, max_tokens=m) for p, m in zip(chosen, lengths)]
+    run_staggered(unlimited, again, [0] * len(again))
+    assert [r.output_ids for r in again] == [r.output_ids for r in requests]

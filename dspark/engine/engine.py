@@ -94,8 +94,10 @@ class EngineConfig:
     """Admission and loop settings.
 
     max_running: requests decoding (or prefilling) at once; max_waiting: queue length before `add` refuses.
-    token_budget: query tokens (anchors + verified drafts) of one verify pass. kv_budget_tokens: cache tokens
-    the admitted requests may reserve (prompt + max_tokens + one block each; None: no limit).
+    token_budget: query tokens (anchors + verified drafts) of one verify pass. kv_budget_tokens: slots the
+    target's KV cache may allocate (rows × padded width, prefilling rows included; None: no limit). Rows are
+    padded to the widest, so admission counts every row at the longest reservation (prompt + max_tokens + one
+    block) among them, and the cache compacts before a pass would widen it past that.
     prefill_chunk: prompt tokens prefilled per step while other requests are decoding.
     online_cost: correct the cost model from measured rounds. record_signals: keep each round's survival
     signals in its RoundStats. detokenize: keep each request's text (needs the target's tokenizer).
@@ -149,6 +151,7 @@ class Engine:
         if self.want_features and list(target.feature_layers) != list(drafter.feature_layers):
             target.set_feature_layers(drafter.feature_layers)
         target.reset(0)
+        target.max_width = None  # set per admitted batch under a KV budget (another engine may have left one)
         drafter.reset()
         self.prefill_lm = target.empty_like()  # joining requests' rows, until their prompt is in
         self.waiting: deque[Request] = deque()
@@ -242,6 +245,18 @@ class Engine:
     def _reservation(self, request: Request) -> int:
         return len(request.prompt_ids) + request.max_tokens + self.gamma + 1
 
+    def _widest(self, extra: Request | None = None) -> int:
+        """The longest reservation among admitted requests (and `extra`): the width no row ever needs to pass."""
+        rows = [*self.running, *self.prefilling, *([extra] if extra is not None else [])]
+        return max((self._reservation(r) for r in rows), default=0)
+
+    def _limit_width(self) -> None:
+        """Under a KV budget, cap both caches' width at the longest admitted reservation."""
+        if self.config.kv_budget_tokens is not None:
+            width = self._widest() or None
+            self.target.max_width = width
+            self.prefill_lm.max_width = width
+
     def _drop_cancelled(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
             if not self._cancel:
@@ -265,7 +280,8 @@ class Engine:
                 req = self.waiting[0]
                 need = self._reservation(req)
                 budget = self.config.kv_budget_tokens
-                if budget is not None and self.reserved + need > budget:
+                rows = len(self.running) + len(self.prefilling) + 1
+                if budget is not None and rows * self._widest(req) > budget:
                     break
                 self.waiting.popleft()
                 self.reserved += need
@@ -279,16 +295,23 @@ class Engine:
                 admitted += 1
         if admitted:
             self.prefill_lm.add_rows(admitted)
+            self._limit_width()
 
     def _prefill(self) -> int:
         """Prefill one chunk (every prompt token but the last: that one is the first round's anchor)."""
         if not self.prefilling:
             return 0
         room = None if not self.running else self.config.prefill_chunk
+        # Under a KV budget a pass may not widen the prefill cache past its limit, even after compaction
+        # (which leaves the longest row's slots): lagging rows catch up in several chunks.
+        limit = self.prefill_lm.max_width
+        cap = None if limit is None else limit - max(req.prefilled for req in self.prefilling)
         chunks = []
         for req in self.prefilling:
             todo = len(req.prompt_ids) - 1 - req.prefilled
             n = todo if room is None else min(todo, room)
+            if cap is not None:
+                n = min(n, cap)
             if room is not None:
                 room -= n
             chunks.append(req.prompt_ids[req.prefilled : req.prefilled + n])
@@ -550,6 +573,9 @@ class Engine:
         if req.state in ("prefilling", "running"):
             self.reserved -= self._reservation(req)
         req.state = "finished"
+        if self.config.kv_budget_tokens is not None:  # the rows left may need less width
+            self.target.max_width = self.prefill_lm.max_width = max(
+                (self._reservation(r) for r in (*self.running, *self.prefilling) if r is not req), default=0) or None
         req.finish_time = time.perf_counter()
         for store in (self._features, self._streams, self._gens, self._seqs):
             store.pop(req.seq, None)
