@@ -47,6 +47,7 @@ CLI = [
     (["serve", "--max-running", "0"], "argument --max-running: must be an integer >= 1, got 0"),
     (["serve", "--max-waiting", "-4"], "argument --max-waiting: must be an integer >= 1, got -4"),
     (["serve", "--prefill-chunk", "0"], "argument --prefill-chunk: must be an integer >= 1, got 0"),
+    (["serve", "--kv-budget-tokens", "0"], "argument --kv-budget-tokens: must be an integer >= 1, got 0"),
     (["serve", "--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a finite number >= 0, got -1.0"),
     (["serve", "--drafter", "medusa"], "argument --drafter: unknown drafter 'medusa'"),
     (["serve", "--scheduler", "nope"], "argument --scheduler: unknown scheduler 'nope'"),

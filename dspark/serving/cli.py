@@ -44,6 +44,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int_arg(0, 65535), default=8000, help="TCP port (0: any free port)")
     s.add_argument("--max-running", type=int_arg(1), default=64, help="requests decoding at once")
     s.add_argument("--max-waiting", type=int_arg(1), default=1024, help="queued requests before answering 429")
+    s.add_argument("--kv-budget-tokens", type=int_arg(1), default=None,
+                   help="most KV cache slots (rows x padded width) the target's cache may allocate; requests wait "
+                        "beyond it, and one that alone exceeds it is refused (default: no limit)")
     s.add_argument("--prefill-chunk", type=int_arg(1), default=256,
                    help="prompt tokens prefilled per step while decoding")
     s.add_argument("--no-online-calibration", action="store_true",
@@ -79,7 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=gamma)
     config = EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting,
-                          prefill_chunk=args.prefill_chunk, online_cost=not args.no_online_cost)
+                          prefill_chunk=args.prefill_chunk, online_cost=not args.no_online_cost,
+                          kv_budget_tokens=args.kv_budget_tokens)
     metrics = ServerMetrics()
     engine = Engine(target, drafter, scheduler, cost, config, calibrator, on_step=metrics.observe_step)
     metrics.watch(engine)

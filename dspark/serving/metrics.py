@@ -13,8 +13,9 @@ runner's. Queue gauges and the calibration ECE are read when /metrics is scraped
   counters (requests failed alone by their drafting, row rounds whose NaN / inf drafts were dropped, drafting
   calls over draft_timeout), read from the engine at scrape time.
 - kv_cache_tokens / kv_cache_bytes: the target KV cache as allocated now (rows × slot width, and the bytes of
-  its key / value tensors), of the running batch and of the rows still prefilling; kv_reserved_tokens: what
-  the admitted requests reserve against EngineConfig.kv_budget_tokens. All three are 0 when idle.
+  its key / value tensors), of the running batch and of the rows still prefilling (what
+  EngineConfig.kv_budget_tokens bounds); kv_reserved_tokens: the sum of the admitted requests' reservations.
+  All three are 0 when idle.
 """
 from __future__ import annotations
 
