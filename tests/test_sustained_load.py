@@ -109,13 +109,14 @@ def test_overload_gets_429_with_retry_after_and_keeps_the_kv_budget(bundled_targ
     config.kv_budget_tokens = budget  # set before the engine thread starts
     runner.start()
     served = Served(create_app(runner, MODEL, metrics, retry_after=1))
-    seen = {"reserved": 0, "rows": 0, "health": []}
+    seen = {"reserved": 0, "rows": 0, "slots": 0, "health": []}
     stop = threading.Event()
 
     def watch() -> None:  # the engine's reservations and rows, and /health, polled during the burst
         with httpx.Client(timeout=30) as http:
             while not stop.is_set():
                 seen["reserved"] = max(seen["reserved"], engine.reserved)
+                seen["slots"] = max(seen["slots"], kv_cache_size(engine)[0])
                 seen["rows"] = max(seen["rows"], len(engine.running) + len(engine.prefilling))
                 seen["health"].append(http.get(f"{served.base}/health").status_code)
                 time.sleep(0.002)
@@ -169,5 +170,6 @@ def test_overload_gets_429_with_retry_after_and_keeps_the_kv_budget(bundled_targ
     for r in accepted + [again]:
         assert r["status"] == 200 and r["text"] == refs[r["job"]][1]
     assert 0 < seen["reserved"] <= budget and seen["rows"] == 1  # the KV budget, not max_running, bound
+    assert 0 < seen["slots"] <= budget  # what the cache allocated, polled from another thread
     assert engine.reserved == 0 and kv_cache_size(engine) == (0, 0)
     assert seen["health"] and set(seen["health"]) == {200}
