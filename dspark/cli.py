@@ -374,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     from dspark.export_cli import add_export_parser
     add_export_parser(sub)
+    from dspark.trace_cli import add_trace_parsers
+    add_trace_parsers(sub)
     return parser
 
 
