@@ -115,6 +115,34 @@ def prequential(stream: RoundRecords, offline: Calibration, online: OnlineCalibr
             if n > window else {}}
 
 
+def frozen_after(stream: RoundRecords, offline: Calibration, online: OnlineCalibrator, temperature: float,
+                 rounds: int) -> dict:
+    """The online calibrator after it has observed the first `rounds` rounds of the stream, then frozen: its
+    and the offline-only calibration's pooled cumulative ECE on every later round (one large sample, not a
+    300-round window), each with the noise floor of its own predictions on those rounds."""
+    from dspark.calibration.metrics import ece_noise_floor
+
+    greedy = temperature <= 0
+    for i in range(min(rounds, len(stream))):
+        online.observe(stream.signals[i], int(stream.available[i]), int(stream.accepted[i]), greedy, None, None,
+                       True, temperature)
+    late = stream.subset(torch.arange(len(stream)) >= rounds)
+    if not len(late):
+        return {}
+    temps = [temperature] * len(late)
+    out = {"after_rounds": rounds, "scored_rounds": len(late)}
+    everything = torch.ones(len(late), dtype=torch.bool)
+    for name, cal in (("offline", offline), ("online_frozen", online)):
+        a = cal.survival(late.signals, late.available, temps, [None] * len(late)) if name != "offline" else \
+            cal.survival(late.signals, late.available, temps)
+        a = a.to(torch.float64)
+        prev = torch.cat([torch.ones_like(a[:, :1]), a[:, :-1]], dim=1)
+        cond = torch.where(prev > 0, a / prev.clamp_min(1e-12), torch.zeros_like(a)).clamp(0, 1)
+        out[f"{name}_ece"] = pooled_ece(a, late)
+        out[f"{name}_floor"] = ece_noise_floor(cond, late.available, everything)
+    return out
+
+
 def first_reach(checkpoints: list[dict], key: str, level: float) -> int | None:
     """First checkpoint round from which `key` stays ≤ level to the end (None if never)."""
     ok = [c[key] <= level for c in checkpoints]
@@ -261,6 +289,7 @@ def main() -> None:
     reach = first_reach(cps, "online_ece", TARGET_ECE)
     offline_fit_ece = pooled_ece(offline.survival(rec["code"].signals, rec["code"].available,
                                                   [args.temperature] * len(rec["code"])), rec["code"])
+    frozen = frozen_after(stream, offline, make_calibrator(offline, gamma, args), args.temperature, args.window)
     t_stream = time.perf_counter()
     poison = poisoning(rec["prose"], rec["math"], offline, args.temperature, args)
     t_end = time.perf_counter()
@@ -274,6 +303,7 @@ def main() -> None:
         "offline_calibration": {"kind": offline_map.kind, "temperatures": offline_map.temperatures,
                                 "code_in_sample_ece": offline_fit_ece},
         "prequential": pre,
+        "frozen_after_window": frozen,
         "summary": {
             "online_ece_at_300": at.get(300, {}).get("online_ece"),
             "offline_ece_at_300": at.get(300, {}).get("offline_ece"),
@@ -325,6 +355,10 @@ def main() -> None:
         f"all rounds from {args.window} on (one large sample, less noise than a {args.window}-round window): "
         + ", ".join(f"{k} {pct(v)}" for k, v in pre[f"ece_from_round_{args.window}"].items()),
         f"target (online <= 3% within 300 rounds, offline above): {'met' if s['target_met'] else 'NOT met'}",
+        (f"online calibrator frozen after {frozen.get('after_rounds')} rounds, scored on the "
+         f"{frozen.get('scored_rounds')} later rounds: online {pct(frozen.get('online_frozen_ece'))} (noise floor "
+         f"{pct(frozen.get('online_frozen_floor'))}), offline only {pct(frozen.get('offline_ece'))} (noise floor "
+         f"{pct(frozen.get('offline_floor'))})"),
         "",
         "poisoning (max / mean |change| of the victim's cumulative survival on the prose rounds):",
     ]
