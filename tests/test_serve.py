@@ -454,7 +454,8 @@ def test_dspark_serve_exits_cleanly_on_sigterm(tmp_path):
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--drafter", "ngram", "--scheduler", "fixed",
-                             "--dtype", "float32", "--port", str(port), "--served-model-name", "m"],
+                             "--dtype", "float32", "--port", str(port), "--served-model-name", "m",
+                             "--shutdown-timeout", "600"],  # the drain must not depend on how busy the machine is
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         def up() -> bool:
