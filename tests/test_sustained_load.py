@@ -6,7 +6,7 @@ benchmarks/sustained_load.py, whose client loop and sampler these tests drive.
   polled, the KV cache and its reservations go back to their idle values (no leak), and resident memory
   after the load stays within a generous bound of its value after a warm-up phase.
 - Overload: a burst far beyond max_waiting gets 429s with Retry-After and an OpenAI error object, the accepted
-  requests decode exactly, and the engine never reserves more KV tokens than kv_budget_tokens.
+  requests decode exactly, and the cache never allocates more KV slots than kv_budget_tokens.
 Nothing here asserts on wall-clock time; the load phases are only bounded by it.
 """
 from __future__ import annotations
