@@ -78,9 +78,10 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     remove |= ranks.view(1, 1, vocab) >= k.view(-1, 1, 1)
     masked_sorted = sorted_logits.masked_fill(remove, float("-inf"))
     probs = torch.softmax(masked_sorted, dim=-1)
-    # A token is dropped when the mass strictly before it already reaches top_p.
+    # A token is dropped when the mass strictly before it already reaches top_p. Rows with top_p = 1 skip
+    # the cut: in float32 the mass before a far-tail token can round to 1.0 and would drop it.
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    remove |= mass_before >= top_p.view(-1, 1, 1)
+    remove |= (mass_before >= top_p.view(-1, 1, 1)) & (top_p < 1.0).view(-1, 1, 1)
     remove[..., 0] = False
     out = torch.full_like(logits, float("-inf"))
     return out.scatter(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))

@@ -1,1 +1,184 @@
-"""Tests written to kill surviving mutants of the lossless core (benchmarks/mutation_test.sh)."""
+"""Tests written to kill surviving mutants of `dspark.sampling` (benchmarks/mutation_test.sh).
+
+Gumbel noise (which rows draw, from which generator, in which layout, and that argmax(logits + noise) samples
+softmax(logits)), generators (seeded, unseeded), and the top-k / top-p filter at its boundaries.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.sampling import (
+    BatchSampling,
+    SamplingParams,
+    filter_logits,
+    gumbel_noise,
+    logits_to_probs,
+    make_generator,
+    probs_from_sampling_logits,
+    sampling_logits,
+)
+
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.5, top_k=3)]
+SEEDS = (11, 22, 33)
+
+
+def gens():
+    return [torch.Generator().manual_seed(s) for s in SEEDS]
+
+
+def test_gumbel_noise_draws_each_sampled_row_from_its_own_generator():
+    sampling = BatchSampling.from_params(PARAMS, "cpu")
+    g = gens()
+    noise = gumbel_noise((2, 5), sampling, g, "cpu")
+    assert noise.shape == (3, 2, 5) and noise.device.type == "cpu"
+    for r in (0, 2):
+        u = torch.rand((2, 5), generator=torch.Generator().manual_seed(SEEDS[r]))
+        torch.testing.assert_close(noise[r], -torch.log(-torch.log(u)))
+    assert (noise[1] == 0).all()  # the greedy row draws nothing ...
+    assert torch.equal(g[1].get_state(), torch.Generator().manual_seed(SEEDS[1]).get_state())  # ... from its generator
+
+
+def test_gumbel_noise_with_rows_second_has_the_same_draws():
+    sampling = BatchSampling.from_params(PARAMS, "cpu")
+    first = gumbel_noise((4, 5), sampling, gens(), "cpu")
+    second = gumbel_noise((4, 5), sampling, gens(), "cpu", row_dim=1)
+    assert second.shape == (4, 3, 5)
+    assert torch.equal(second, first.transpose(0, 1))
+    flat = gumbel_noise((6,), sampling, gens(), "cpu", row_dim=1)  # one dim: rows second means [6, R]
+    assert flat.shape == (6, 3) and torch.equal(flat, gumbel_noise((6,), sampling, gens(), "cpu").t())
+
+
+def test_gumbel_noise_is_made_on_the_requested_device():
+    sampling = BatchSampling.from_params(PARAMS, "cpu")
+    expected = gumbel_noise((2, 5), sampling, gens(), "cpu")
+    with torch.device("meta"):  # a default device other than the requested one must not be used
+        got = gumbel_noise((2, 5), sampling, gens(), "cpu")
+    assert torch.equal(got, expected)
+
+
+def test_gumbel_max_samples_the_softmax():
+    """argmax(logits + Gumbel noise) is an exact sample of softmax(logits): frequencies of 20,000 draws
+    within 4.5 standard errors of the softmax (and 0 for a token of probability 0)."""
+    n = 20_000
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, float("-inf")])
+    sampling = BatchSampling.from_params([SamplingParams(temperature=1.0)], "cpu")
+    noise = gumbel_noise((n, 5), sampling, [torch.Generator().manual_seed(7)], "cpu")[0]
+    counts = torch.bincount((logits + noise).argmax(-1), minlength=5).double()
+    p = torch.softmax(logits.double(), -1)
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((counts / n - p).abs() <= 4.5 * sigma + 1e-12).all(), (counts / n, p)
+
+
+def test_seeded_generators_repeat_and_unseeded_ones_differ():
+    a, b = make_generator(1234, "cpu"), make_generator(1234, "cpu")
+    assert a.initial_seed() == 1234 and torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    torch.manual_seed(0)
+    seeds = [make_generator(None, "cpu").initial_seed() for _ in range(200)]
+    assert len(set(seeds)) == 200  # unseeded requests never share a stream
+    torch.manual_seed(0)
+    assert make_generator(None, "cpu").initial_seed() == seeds[0]  # drawn from torch's global RNG
+
+
+# ------------------------------------------------------------------------------------------------------
+# the filter
+
+
+def test_batch_sampling_tensors_live_on_the_requested_device():
+    with torch.device("meta"):
+        s = BatchSampling.from_params(PARAMS, "cpu")
+    for t, dtype in ((s.temperature, torch.float32), (s.top_k, torch.long), (s.top_p, torch.float32)):
+        assert t.device.type == "cpu" and t.dtype == dtype
+    assert s.temperature.tolist() == [1.0, 0.0, 0.5] and s.top_k.tolist() == [0, 0, 3]
+    assert s.greedy.tolist() == [False, True, False] and s.divisor.tolist() == [1.0, 1.0, 0.5]
+
+
+def test_batch_sampling_dtypes_do_not_follow_the_default_dtype():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        s = BatchSampling.from_params(PARAMS, "cpu")
+        out = sampling_logits(torch.zeros(3, 1, 4), s)
+    finally:
+        torch.set_default_dtype(before)
+    assert (s.temperature.dtype, s.top_k.dtype, s.top_p.dtype) == (torch.float32, torch.long, torch.float32)
+    assert out.dtype == torch.float32
+
+
+def test_disabled_filters_return_the_logits_untouched():
+    """top_k 0 and top_p 1 on every row: no sort, no cumulative sum. (Through the filter, the tail below
+    token 0 would be dropped: 1 − p0 ≈ 1.4e-8 is below float32 resolution, so its mass before rounds to 1.)"""
+    logits = torch.tensor([10.0] + [-12.0] * 49 + [-20.0] * 50).view(1, 1, 100)
+    out = filter_logits(logits, torch.tensor([0]), torch.tensor([1.0]))
+    assert torch.equal(out, logits)
+
+
+def test_mass_before_equal_to_top_p_drops_the_token():
+    logits = torch.tensor([2.0, 1.0, 1.0, 0.0]).log().view(1, 1, 4)  # p = 0.5, 0.25, 0.25, 0 exactly
+    out = filter_logits(logits, torch.tensor([0]), torch.tensor([0.75]))
+    assert torch.isfinite(out[0, 0]).tolist() == [True, True, False, False]  # mass before token 3: 0.75 ≥ 0.75
+
+
+def test_top_k_removes_the_rest_even_when_their_mass_before_is_below_one():
+    """The two kept probabilities sum to 0.99999994 in float32: top-p 1 alone would keep the third token."""
+    logits = torch.tensor([0.0, -0.2, -5.0, -6.0]).view(1, 1, 4)
+    out = filter_logits(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(out[0, 0]).tolist() == [True, True, False, False]
+
+
+def test_top_k_one_keeps_only_the_argmax_and_k_beyond_the_vocabulary_keeps_all():
+    logits = torch.tensor([[[0.5, 2.0, 1.0, -1.0]], [[0.5, 2.0, 1.0, -1.0]], [[0.5, 2.0, 1.0, -1.0]]])
+    out = filter_logits(logits, torch.tensor([1, 9, 0]), torch.tensor([1.0, 1.0, 1.0]))
+    assert torch.isfinite(out[0, 0]).tolist() == [False, True, False, False]
+    assert torch.equal(out[1:], logits[1:])
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_top_p_only_rows_are_filtered_and_kept_logits_are_unchanged(top_k):
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().view(1, 1, 4).repeat(2, 3, 1)  # two rows, three positions each
+    out = filter_logits(logits, torch.tensor([top_k, 0]), torch.tensor([0.7, 1.0]))
+    keep = torch.isfinite(out)
+    assert keep[0].tolist() == [[True, True, False, False]] * 3  # 0.5 < 0.7, 0.5 + 0.3 ≥ 0.7
+    assert keep[1].all()
+    assert torch.equal(out[keep], logits[keep])
+
+
+def test_sampling_logits_divide_by_temperature_and_greedy_rows_by_one():
+    logits = torch.tensor([[[1.0, 3.0, 2.0]], [[1.0, 3.0, 2.0]], [[1.0, 3.0, 2.0]]], dtype=torch.float64)
+    s = BatchSampling.from_params(PARAMS, "cpu")
+    out = sampling_logits(logits, s)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out[0], logits[0].float())
+    torch.testing.assert_close(out[1], logits[1].float())
+    torch.testing.assert_close(out[2], logits[2].float() / 0.5)
+
+
+def test_greedy_rows_are_one_hot_beside_sampled_rows_at_every_position():
+    logits = torch.tensor([[[1.0, 3.0, 2.0], [4.0, 0.0, 1.0]]] * 3)
+    s = BatchSampling.from_params(PARAMS, "cpu")
+    probs = probs_from_sampling_logits(sampling_logits(logits, s), s)
+    assert probs[1].tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    torch.testing.assert_close(probs[0], torch.softmax(logits[0], -1))
+    torch.testing.assert_close(probs[2], torch.softmax(logits[2] / 0.5, -1))
+    torch.testing.assert_close(logits_to_probs(logits, s), probs)
+    only_sampled = BatchSampling.from_params([PARAMS[0]], "cpu")
+    torch.testing.assert_close(logits_to_probs(logits[:1], only_sampled)[0], torch.softmax(logits[0], -1))
+
+
+# ------------------------------------------------------------------------------------------------------
+# a real defect found by the mutation run (filter_logits mutants 2, 5, 6, 7 showed that the top-p cut was not
+# a no-op at top_p = 1), fixed in dspark/sampling.py: rows with top_p = 1 skip the cut
+
+TAIL = torch.tensor([10.0] + [-12.0] * 49 + [-20.0] * 50).view(1, 1, 100)  # 1 − p0 ≈ 1.4e-8 < float32 resolution
+
+
+def test_top_p_one_keeps_every_token_beside_a_row_that_filters():
+    logits = TAIL.expand(2, 1, 100)
+    out = filter_logits(logits, torch.tensor([0, 0]), torch.tensor([1.0, 0.9]))
+    assert torch.equal(out[0], logits[0])  # row 0 filters nothing, as when it is alone in its batch
+
+
+def test_top_k_with_top_p_one_keeps_all_k_tokens():
+    out = filter_logits(TAIL, torch.tensor([50]), torch.tensor([1.0]))
+    assert int(torch.isfinite(out).sum()) == 50
