@@ -15,6 +15,7 @@ from dspark.scheduling import (
     _plateau_room,
     admission_order,
     batch_table_lengths,
+    cap_to_budget,
     best_capacity,
     fixed_lengths,
     prefix_schedule,
@@ -175,3 +176,109 @@ def test_candidates_inside_an_already_paid_cell_are_free():
     lengths, theta = prefix_schedule(np.array([[0.6, 0.05, 0.04]]), [3], cost)
     assert lengths.tolist() == [3]
     assert theta == pytest.approx((1 + 0.6 + 0.05 + 0.04) / 2.0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# cap_to_budget and Scheduler.plan
+
+
+def test_cap_to_budget_shortens_a_single_row_and_down_to_no_drafts():
+    assert cap_to_budget(np.array([5]), 3, "ragged").tolist() == [2]  # N = 1 + ℓ ≤ 3
+    assert cap_to_budget(np.array([1, 1, 1]), 3, "ragged").tolist() == [0, 0, 0]  # only the anchors fit
+    assert cap_to_budget(np.array([3, 3, 3]), 7, "ragged").tolist() == [2, 1, 1]  # ties: the later row first
+    assert cap_to_budget(np.array([3, 3, 3]), 7, "padded").tolist() == [1, 1, 1]
+
+
+def test_none_policy_plans_nothing():
+    assert Scheduler("none", gamma=3).plan(None, [3, 2]).lengths == [0, 0]
+
+
+@pytest.mark.parametrize("spec", ["fixed", "batch-table:1=3", "threshold:0.5"])
+def test_simple_policies_cap_to_the_budget_in_the_cost_models_layout(spec):
+    a = np.full((3, 3), 0.9).cumprod(1)
+    survival = a if spec.startswith("threshold") else None
+    sched = Scheduler(spec, gamma=3)
+    assert sched.plan(survival, [3, 3, 3]).lengths == [3, 3, 3]
+    assert sched.plan(survival, [3, 3, 3], linear(3, 3, 0.01, "ragged"), token_budget=7).lengths == [2, 1, 1]
+    assert sched.plan(survival, [3, 3, 3], None, token_budget=7).lengths == [1, 1, 1]  # no cost model: padded
+
+
+def test_policies_that_need_survivals_or_costs_say_so():
+    with pytest.raises(ValueError, match=r"^scheduler 'threshold:0.5' needs survival estimates$"):
+        Scheduler("threshold:0.5", gamma=3).plan(None, [3])
+    with pytest.raises(ValueError, match=r"^scheduler 'dspark' needs a cost model$"):
+        Scheduler("dspark", gamma=3).plan(np.full((1, 3), 0.5), [3])
+
+
+def test_dspark_plans_every_step_by_algorithm_1_with_the_budget():
+    cost = linear(2, 3, per_draft=0.01)
+    sched = Scheduler("dspark", gamma=3)
+    high = np.full((2, 3), 0.9).cumprod(1)
+    low = np.array([[0.9, 0.02, 0.01], [0.3, 0.01, 0.005]])
+    for a, budget in ((high, None), (high, 5), (low, None), (low, 4)):  # later steps have history: still Algorithm 1
+        plan = sched.plan(a, [3, 3], cost, budget, request_ids=[7, 8])
+        lengths, theta = prefix_schedule(a, [3, 3], cost, budget)
+        assert plan.lengths == lengths.tolist() and plan.expected_throughput == theta
+        assert plan.capacity == sum(plan.lengths)
+    assert sched.plan(high, [3, 3], cost, 5, request_ids=[7, 8]).lengths == [2, 1]
+
+
+def test_async_reads_stale_survivals_by_request_id():
+    cost = linear(2, 3, per_draft=0.35)
+    high, low = np.array([0.95, 0.9, 0.85]), np.array([0.3, 0.1, 0.05])
+    sched = Scheduler("dspark-async", gamma=3)
+    now = np.full((2, 3), 0.5).cumprod(1)
+    sched.plan(np.stack([high, low]), [3, 3], cost, request_ids=[10, 11])  # the stale step
+    sched.plan(now, [3, 3], cost, request_ids=[10, 11])
+    plan = sched.plan(now, [3, 1], cost, request_ids=[11, 10])  # the rows swapped places
+    capacity, theta = best_capacity(np.stack([low, high]), [3, 1], cost)
+    assert (plan.capacity, plan.expected_throughput) == (capacity, theta)
+    assert capacity != best_capacity(np.stack([high, low]), [3, 1], cost)[0]
+    assert plan.lengths == top_capacity(now, [3, 1], capacity, cost).tolist()
+
+
+def test_async_falls_back_to_the_mean_stale_survival_for_a_new_request():
+    cost = linear(2, 3, per_draft=0.35)
+    high, low = np.array([0.95, 0.9, 0.85]), np.array([0.3, 0.1, 0.05])
+    sched = Scheduler("dspark-async", gamma=3)
+    now = np.full((2, 3), 0.5).cumprod(1)
+    sched.plan(np.stack([high, low]), [3, 3], cost, request_ids=[10, 11])
+    sched.plan(now, [3, 3], cost, request_ids=[10, 12])
+    plan = sched.plan(now, [3, 3], cost, request_ids=[12, 10])  # 12 has no survivals two steps old
+    expected = best_capacity(np.stack([(high + low) / 2, high]), [3, 3], cost)
+    assert (plan.capacity, plan.expected_throughput) == expected
+
+
+def test_async_budget_bounds_capacity_and_admission():
+    cost = linear(2, 3, per_draft=0.01)
+    sched = Scheduler("dspark-async", gamma=3)
+    a = np.full((2, 3), 0.9).cumprod(1)
+    for _ in range(2):
+        sched.plan(a, [3, 3], cost, request_ids=[0, 1])
+    plan = sched.plan(a, [3, 3], cost, token_budget=5, request_ids=[0, 1])
+    assert plan.capacity == 3 and plan.lengths == [2, 1]
+
+
+def test_the_probe_prediction_reads_the_last_steps_mean_survival_per_position():
+    """At 2 rows drafting cannot pay (Θ0 = 2/1.1 < 2/1): the policy backs off for 4 steps. Then, at 1 row, the
+    last step's mean survivals per position (0.9, 0, 0) predict a gain, so the probe is paid for."""
+    cost = CostModel({1: [(1, 1.01), (2, 1.5), (3, 2.5), (4, 3.5)],
+                      2: [(2, 1.1), (3, 1.6), (4, 2.1), (5, 2.6), (6, 3.1), (7, 3.6), (8, 4.1)]},
+                     {1: 1.0, 2: 1.0}, "ragged")
+    sched = Scheduler("dspark", gamma=3)
+    assert sched.wants_drafts(2)
+    assert sched.plan(np.array([[0.9, 0.0, 0.0]] * 2), [3, 3], cost).lengths == [0, 0]
+    assert [sched.wants_drafts(1) for _ in range(5)] == [False] * 4 + [True]
+
+
+def test_async_admission_keeps_a_padded_budget_when_current_survivals_widen_the_step():
+    """Capacity 2 comes from stale survivals spread over both rows (N = 2·2 = 4 fits the budget of 4); the current
+    survivals put both drafts in row 0, which would take N = 2·3 = 6: admission stops at one draft."""
+    cost = linear(2, 3, per_draft=0.01, layout="padded")
+    sched = Scheduler("dspark-async", gamma=3)
+    even = np.array([[0.9, 0.8, 0.7]] * 2)
+    for _ in range(2):
+        sched.plan(even, [3, 3], cost, request_ids=[0, 1])
+    plan = sched.plan(np.array([[0.99, 0.98, 0.97], [0.1, 0.05, 0.01]]), [3, 3], cost, token_budget=4,
+                      request_ids=[0, 1])
+    assert plan.capacity == 2 and plan.lengths == [1, 0]
