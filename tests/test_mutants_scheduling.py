@@ -19,6 +19,7 @@ from dspark.scheduling import (
     best_capacity,
     fixed_lengths,
     prefix_schedule,
+    step_tokens,
     threshold_lengths,
     top_capacity,
 )
@@ -39,16 +40,19 @@ def linear(num: int, gamma: int, per_draft: float, layout: str = "ragged") -> Co
 
 
 def test_policy_lengths_are_integer_counts():
-    """Every policy returns integer draft counts (numpy int64), also for limits given as a plain list."""
+    """Every policy returns integer draft counts (numpy int64), also for limits given as floats."""
     a = np.array([[0.9, 0.6, 0.2], [0.8, 0.1, 0.05]])
-    for lengths in (fixed_lengths(2, [3, 1]), threshold_lengths(a, [3, 1], 0.5),
-                    batch_table_lengths({1: 3, 2: 2}, [3, 1])):
-        assert lengths.dtype == np.int64, lengths.dtype
-    assert fixed_lengths(2, [3, 1]).tolist() == [2, 1]
-    assert threshold_lengths(a, [3, 1], 0.5).tolist() == [2, 1]
-    assert batch_table_lengths({1: 3, 2: 2}, [3, 1]).tolist() == [2, 1]
+    for limits in ([3, 1], np.array([3.0, 1.0])):
+        for lengths in (fixed_lengths(2, limits), threshold_lengths(a, limits, 0.5),
+                        batch_table_lengths({1: 3, 2: 2}, limits)):
+            assert lengths.dtype == np.int64 and lengths.tolist() == [2, 1], (limits, lengths)
     plan = Scheduler("fixed:2", gamma=3).plan(None, [3, 1])
     assert plan.lengths == [2, 1] and all(type(n) is int for n in plan.lengths)
+
+
+def test_an_empty_batch_sends_no_tokens():
+    assert step_tokens(np.array([], dtype=np.int64), "ragged") == 0
+    assert step_tokens(np.array([], dtype=np.int64), "padded") == 0
 
 
 def test_threshold_admits_a_survival_equal_to_theta_and_handles_tiny_blocks():
