@@ -73,13 +73,15 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
-def start_server(arm: str, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    """Start `dspark serve` for one scheduler on `port` (does not wait for it)."""
+def start_server(arm: str, port: int, args: argparse.Namespace, log: Path,
+                 extra: list[str] | None = None) -> subprocess.Popen:
+    """Start `dspark serve` for one scheduler on `port` (does not wait for it); `extra`: more serve options."""
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--scheduler", arm, "--drafter", args.drafter,
            "--port", str(port), "--max-running", str(max(args.concurrency)),
            "--device", getattr(args, "device", "cpu"), "--dtype", getattr(args, "dtype", "bfloat16")]
     if args.profile:
         cmd += ["--profile", args.profile]
+    cmd += extra or []
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -21,6 +21,7 @@ from dspark.calibration.online import OnlineCalibrator
 from dspark.decoding import decode
 from dspark.drafters.base import NoDrafter, drafter_gamma
 from dspark.engine import Engine, EngineConfig
+from dspark.engine.steplog import read_step_log
 from dspark.serving.app import create_app
 from dspark.serving.metrics import ServerMetrics
 from dspark.serving.runner import EngineRunner
@@ -455,7 +456,8 @@ def test_dspark_serve_exits_cleanly_on_sigterm(tmp_path):
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--drafter", "ngram", "--scheduler", "fixed",
                              "--dtype", "float32", "--port", str(port), "--served-model-name", "m",
-                             "--shutdown-timeout", "600"],  # the drain must not depend on how busy the machine is
+                             "--shutdown-timeout", "600",  # the drain must not depend on how busy the machine is
+                             "--step-log", str(tmp_path / "steps.jsonl")],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         def up() -> bool:
@@ -477,6 +479,8 @@ def test_dspark_serve_exits_cleanly_on_sigterm(tmp_path):
         assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
         assert "Waiting for connections to close" in (tmp_path / "serve.log").read_text()  # it drained
+        steps = read_step_log(tmp_path / "steps.jsonl")  # --step-log: every step of the request, flushed at exit
+        assert sum(s["batch"] + s["accepted"] for s in steps) == 200 and all(s["batch"] == 1 for s in steps)
     finally:
         if proc.poll() is None:
             proc.kill()

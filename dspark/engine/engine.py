@@ -56,7 +56,10 @@ class StepInfo:
 
     seconds: the round (drafting, target pass, verification, commit), which the cost model predicts;
     draft_seconds / schedule_seconds / target_seconds: its drafting call, survival + scheduler, and its target
-    pass; prefill_seconds: the step's prefill chunk; step_seconds: the whole engine step. tokens: the verify pass's query tokens in the cost model's layout.
+    pass; prefill_seconds: the step's prefill chunk; step_seconds: the whole engine step. tokens: the verify pass's
+    query tokens in the cost model's layout. predicted_seconds: the cost model's figure for this round before it
+    was measured (online correction included; None without a cost model). started: perf_counter() when the step
+    began (the gap to the previous step's end is time the engine thread spent outside `step`).
     """
 
     batch: int
@@ -73,6 +76,8 @@ class StepInfo:
     target_seconds: float = 0.0
     prefill_seconds: float = 0.0
     step_seconds: float = 0.0
+    predicted_seconds: float | None = None
+    started: float = 0.0
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -236,7 +241,7 @@ class Engine:
         info = self._decode_round(outputs) if self.running else None
         if info is not None:
             info.prefill_tokens, info.prefill_seconds = prefill_tokens, prefill_seconds
-            info.step_seconds = time.perf_counter() - start
+            info.step_seconds, info.started = time.perf_counter() - start, start
             if self.on_step is not None:
                 self.on_step(info)
         self.steps += 1
@@ -499,8 +504,11 @@ class Engine:
                                                     temperature=params[r].temperature)
         seconds = time.perf_counter() - start
         tokens = step_tokens(lens, self.layout)
-        if self.cost_model is not None and self.config.online_cost and not faulted:
-            self.cost_model.observe(len(rows), tokens, seconds, drafted)
+        predicted = None
+        if self.cost_model is not None:
+            predicted = self.cost_model.cost(len(rows), tokens) if drafted else self.cost_model.plain_cost(len(rows))
+            if self.config.online_cost and not faulted:
+                self.cost_model.observe(len(rows), tokens, seconds, drafted)
         now = time.perf_counter()
         for r, req in enumerate(rows):
             sig = signals[r, : available[r]].tolist() if self.config.record_signals and signals is not None else None
@@ -509,7 +517,7 @@ class Engine:
         self._leave([r for r, req in enumerate(rows) if req.finished], None, outputs)
         return StepInfo(len(rows), tokens, drafted, seconds, lens, theta, capacity, list(res.accepted),
                         draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
-                        target_seconds=target_seconds)
+                        target_seconds=target_seconds, predicted_seconds=predicted)
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         return (req.stop_token_ids or frozenset()) | (frozenset() if req.ignore_eos else self.eos)

@@ -52,6 +52,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--no-online-calibration", action="store_true",
                    help="keep the drafter's offline calibration fixed (default: corrected online per workload)")
     s.add_argument("--no-online-cost", action="store_true", help="do not correct the step-cost model online")
+    s.add_argument("--step-log", default=None, metavar="FILE",
+                   help="append one JSON line per engine step (batch, tokens, timings, the cost model's prediction)")
     s.add_argument("--served-model-name", default=None,
                    help="the `model` clients ask for (default: the target folder's name)")
     s.add_argument("--shutdown-timeout", type=real_arg(0.0), default=30.0,
@@ -65,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dspark.api import load_drafter, load_target, step_cost_model
     from dspark.drafters.base import drafter_gamma
     from dspark.engine import Engine, EngineConfig
+    from dspark.engine.steplog import StepLog, chain
     from dspark.scheduling import Scheduler
     from dspark.serving.app import create_app
     from dspark.serving.metrics import ServerMetrics
@@ -85,7 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           prefill_chunk=args.prefill_chunk, online_cost=not args.no_online_cost,
                           kv_budget_tokens=args.kv_budget_tokens)
     metrics = ServerMetrics()
-    engine = Engine(target, drafter, scheduler, cost, config, calibrator, on_step=metrics.observe_step)
+    step_log = StepLog(args.step_log) if args.step_log else None
+    engine = Engine(target, drafter, scheduler, cost, config, calibrator, on_step=chain(metrics.observe_step, step_log))
     metrics.watch(engine)
     runner = EngineRunner(engine, on_outputs=metrics.observe_outputs)
     name = args.served_model_name or Path(args.target or default_target_path()).name
@@ -101,6 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         runner.shutdown(drain=False)
+        if step_log is not None:
+            step_log.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

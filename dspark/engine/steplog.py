@@ -1,0 +1,102 @@
+"""A per-step trace of the engine: one JSON line per decoding step (`dspark serve --step-log FILE`).
+
+Each line holds what `StepInfo` measured (batch, query tokens, drafted or not, round / step / prefill / drafting /
+target seconds, the cost model's prediction, drafts verified and accepted) and `started`, the step's start on the
+process's perf_counter clock, so that gaps between steps (time the engine thread spent outside `step`:
+dispatching outputs, waiting for the interpreter lock) can be read off. The file is appended to while the
+server runs, a line at a time: a reader skips a last line cut short by a crash (`read_step_log`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+from dspark.engine.engine import StepInfo
+
+log = logging.getLogger("dspark.engine")
+
+
+def step_record(info: StepInfo) -> dict:
+    """The JSON-ready record of one step."""
+    return {
+        "started": round(info.started, 6), "batch": info.batch, "tokens": info.tokens, "drafted": info.drafted,
+        "verified": int(sum(info.lengths)), "accepted": int(sum(info.accepted)),
+        "max_length": max(info.lengths, default=0),
+        "seconds": round(info.seconds, 6), "step_seconds": round(info.step_seconds, 6),
+        "prefill_seconds": round(info.prefill_seconds, 6), "prefill_tokens": info.prefill_tokens,
+        "draft_seconds": round(info.draft_seconds, 6), "schedule_seconds": round(info.schedule_seconds, 6),
+        "target_seconds": round(info.target_seconds, 6),
+        "predicted_seconds": None if info.predicted_seconds is None else round(info.predicted_seconds, 6),
+        "expected_throughput": info.expected_throughput, "capacity": info.capacity,
+    }
+
+
+class StepLog:
+    """An on_step callback that appends `step_record(info)` as one JSON line per step to `path`.
+
+    A write that fails (disk full) is logged and ends the log; it never fails the step."""
+
+    def __init__(self, path: str | Path, flush_every: int = 32) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w", encoding="utf-8")
+        self._flush_every, self._pending = max(1, int(flush_every)), 0
+        self._lock = threading.Lock()
+
+    def __call__(self, info: StepInfo) -> None:
+        line = json.dumps(step_record(info), separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file.closed:
+                return
+            try:
+                self._file.write(line)
+                self._pending += 1
+                if self._pending >= self._flush_every:
+                    self._file.flush()
+                    self._pending = 0
+            except OSError as err:
+                log.error("step log %s: %s; no more steps are recorded", self.path, err)
+                try:
+                    self._file.close()
+                except OSError:  # the buffered rest cannot be written either
+                    pass
+
+    def close(self) -> None:
+        """Flush and close the file (later steps are not recorded)."""
+        with self._lock:
+            if not self._file.closed:
+                try:
+                    self._file.close()
+                except OSError as err:
+                    log.error("step log %s: %s while closing", self.path, err)
+
+
+def read_step_log(path: str | Path) -> list[dict]:
+    """The records of a step log; a last line cut short (the writer was killed) is skipped, a bad line
+    elsewhere fails naming the file and the line."""
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                continue  # the line being written when the process died
+            raise ValueError(f"{path}: line {i + 1} is not a JSON step record ({err.msg})") from None
+    return records
+
+
+def chain(*callbacks: Callable[[StepInfo], None] | None) -> Callable[[StepInfo], None]:
+    """One on_step callback calling each given one in turn (None entries are skipped)."""
+    kept = [c for c in callbacks if c is not None]
+
+    def call(info: StepInfo) -> None:
+        for c in kept:
+            c(info)
+
+    return call

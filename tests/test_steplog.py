@@ -1,0 +1,77 @@
+"""The engine's per-step log (`dspark serve --step-log`): one record per step, consistent with the step, and
+a reader that survives a writer killed mid-line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import dspark
+from dspark.api import encode_prompt
+from dspark.engine import Engine, Request
+from dspark.engine.steplog import StepLog, chain, read_step_log
+from dspark.evaluation.bench import load_eval_prompts
+from dspark.sampling import SamplingParams
+from dspark.scheduling import uniform_cost_model
+
+
+def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    cost = uniform_cost_model(7, range(1, 9))
+    seen = []
+    log = StepLog(tmp_path / "steps.jsonl", flush_every=1000)  # the close flushes
+    engine = Engine(bundled_target, drafter, "dspark", cost, on_step=chain(seen.append, None, log))
+    prompts = [encode_prompt(bundled_target, t) for t in load_eval_prompts("code", 3)]
+    for i, p in enumerate(prompts):
+        engine.add(Request(p, SamplingParams(temperature=float(i % 2), seed=i), max_tokens=12, request_id=f"r{i}"))
+    while engine.has_work:
+        engine.step()
+    log.close()
+    records = read_step_log(tmp_path / "steps.jsonl")
+    assert len(records) == len(seen) > 0
+    last_end = 0.0
+    for rec, info in zip(records, seen):
+        assert rec["batch"] == info.batch and rec["tokens"] == info.tokens and rec["drafted"] == info.drafted
+        assert rec["verified"] == sum(info.lengths) and rec["accepted"] == sum(info.accepted)
+        assert 0 <= rec["accepted"] <= rec["verified"]
+        assert rec["started"] >= last_end  # steps do not overlap and come in order
+        assert rec["seconds"] <= rec["step_seconds"] + 1e-6
+        assert rec["predicted_seconds"] is not None and rec["predicted_seconds"] > 0
+        last_end = rec["started"] + rec["step_seconds"]
+    # every committed token is in the log: rows + accepted drafts per step
+    assert sum(r["batch"] + r["accepted"] for r in records) >= 3 * 12
+
+
+def test_the_prediction_is_the_cost_model_before_it_learns_the_step(bundled_target, tmp_path):
+    cost = uniform_cost_model(7, range(1, 5))
+    seen = []
+    engine = Engine(bundled_target, dspark.load_drafter("dspark", bundled_target), "fixed", cost,
+                    on_step=seen.append)
+    prompt = encode_prompt(bundled_target, load_eval_prompts("prose", 1)[0])
+    engine.add(Request(prompt, SamplingParams(), max_tokens=4))
+    engine.step()  # prefill + first round
+    fresh = uniform_cost_model(7, range(1, 5))
+    info = seen[0]
+    table = fresh.cost(info.batch, info.tokens) if info.drafted else fresh.plain_cost(info.batch)
+    assert info.predicted_seconds == pytest.approx(table)  # no correction before the first measurement
+
+
+def test_a_line_cut_short_at_the_end_is_skipped_and_one_in_the_middle_fails(tmp_path):
+    good = json.dumps({"batch": 1})
+    path = tmp_path / "steps.jsonl"
+    path.write_text(f"{good}\n{good}\n{{\"batch\": 2, \"tok")
+    assert read_step_log(path) == [{"batch": 1}, {"batch": 1}]
+    path.write_text(f"{good}\n{{\"batch\": 2, \"tok\n{good}\n")
+    with pytest.raises(ValueError, match=r"steps.jsonl: line 2"):
+        read_step_log(path)
+
+
+def test_a_failed_write_ends_the_log_without_failing_the_step(tmp_path, caplog):
+    log = StepLog(tmp_path / "steps.jsonl", flush_every=1)
+    log._file.close()
+    log._file = open("/dev/full", "w")  # every flush fails with ENOSPC
+    from dspark.engine import StepInfo
+
+    log(StepInfo(batch=1, tokens=1, drafted=False, seconds=0.01, lengths=[0]))
+    assert log._file.closed and "no more steps are recorded" in caplog.text
+    log(StepInfo(batch=1, tokens=1, drafted=False, seconds=0.01, lengths=[0]))  # later steps: ignored
