@@ -413,9 +413,16 @@ class Scheduler:
     Adaptive policies ("dspark", "dspark-async") skip drafting when their best schedules are expected
     slower than plain decoding (smoothed over steps), for a back-off of 4 steps that grows fourfold while
     drafting keeps not paying (up to `max_backoff`), then probe again. A probe is skipped too while
-    Algorithm 1 on the last drafted step's mean survivals still predicts no gain at the current batch size
-    and costs, so a batch where drafting never pays probes once per `max_backoff` steps.
+    Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
+    the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload) still
+    predicts no gain at the current batch size and costs, so a batch where drafting never pays probes once
+    per `max_backoff` steps.
     """
+
+    #: weight of a drafted step in the smoothed gain
+    SMOOTHING = 0.3
+    #: weight of a drafted step's mean survival row in the typical row that gates probes
+    SURVIVAL_SMOOTHING = 0.05
 
     def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
         self.spec = spec
@@ -469,7 +476,7 @@ class Scheduler:
         return True
 
     def _predicted_to_pay(self, num_rows: int) -> bool:
-        """Whether Algorithm 1 on the mean survival row of the last drafted step, repeated for `num_rows`
+        """Whether Algorithm 1 on the typical survival row of past drafted steps, repeated for `num_rows`
         requests, beats plain decoding (survivals of finished steps only: non-anticipating)."""
         if self._last_cost is None or self._last_mean is None:
             return True
@@ -508,14 +515,20 @@ class Scheduler:
             old = np.stack([stale.get(i, fallback) for i in ids])
             capacity, theta = best_capacity(old, lim, cost, token_budget)
             lengths = top_capacity(a, lim, capacity, cost, token_budget)
-        self._last_cost, self._last_mean = cost, a.mean(0) if len(a) else None
+        self._last_cost = cost
+        if len(a):
+            mean = a.mean(0)
+            if self._last_mean is None or self._last_mean.shape != mean.shape:
+                self._last_mean = mean
+            else:
+                self._last_mean = self._last_mean + self.SURVIVAL_SMOOTHING * (mean - self._last_mean)
         self._after_plan(theta, cost.plain_cost(num), num)
         return StepPlan(lengths.tolist(), theta, capacity)
 
     def _after_plan(self, theta: float, plain_seconds: float, num: int) -> None:
         """Back off from drafting while the expected gain of drafting over plain decoding is negative.
 
-        The gain is log(Θ_best / Θ_plain), smoothed over drafted steps (weight 0.3) so one hard round does
+        The gain is log(Θ_best / Θ_plain), smoothed over drafted steps (weight SMOOTHING) so one hard round does
         not stop drafting; the first step after a pause (a probe) replaces the smoothed value.
         """
         if not self.adaptive:
@@ -524,7 +537,7 @@ class Scheduler:
         if self._gain is None or self._probing:
             self._gain = gain
         else:
-            self._gain += 0.3 * (gain - self._gain)
+            self._gain += self.SMOOTHING * (gain - self._gain)
         self._probing = False
         if self._gain < 0:
             self._skip = self._backoff

@@ -178,6 +178,31 @@ def test_dspark_backs_off_when_drafting_does_not_pay_then_probes():
     assert any(later)  # the next due probe is taken: drafting is predicted to pay again
 
 
+def test_a_few_hard_steps_do_not_lock_drafting_out():
+    """At a small batch a drafted step's survival is noisy: a short run of hard rounds turns the smoothed gain
+    negative and drafting pauses, but the probe gate reads the workload's typical survival, so the next due
+    probe is taken (a gate on the last hard step's survivals kept drafting off for hundreds of steps)."""
+    cost = CostModel({2: [(n, 1.0 + 0.1 * n) for n in range(2, 17)]}, {2: 1.0}, "ragged")
+    s = Scheduler("dspark", gamma=7)
+    good = np.full((2, 7), 0.9).cumprod(1)  # about 4 drafts per request for 1.8 plain steps: pays
+    hard = np.full((2, 7), 0.1).cumprod(1)  # nothing pays
+    for _ in range(40):
+        assert s.wants_drafts(2)
+        s.plan(good, [7, 7], cost)
+    steps = 0
+    while s.wants_drafts(2):  # hard rounds until the smoothed gain turns negative
+        s.plan(hard, [7, 7], cost)
+        steps += 1
+        assert steps < 20
+    paused = 1
+    while not s.wants_drafts(2):
+        paused += 1
+        assert paused < 50, "a few hard steps locked drafting out"
+    assert paused == 4  # the first back-off (4 steps), then the probe
+    plan = s.plan(good, [7, 7], cost)  # a good probe: drafting goes on
+    assert sum(plan.lengths) > 0 and s.wants_drafts(2)
+
+
 def test_online_correction_changes_the_schedule_within_bounded_steps():
     """An injected clock: the machine's drafted steps become 4x slower; the schedule must follow."""
     cost = uniform_cost_model(gamma=7, batches=(4,), draft_share=0.2, per_token=0.01, layout="padded")
