@@ -113,6 +113,14 @@ def test_cli_argument_checked_against_the_loaded_drafter(argv, says, capsys):
     assert line.startswith("dspark: error: ") and says in line, line
 
 
+def test_serve_step_log_that_cannot_be_written_fails_before_loading(tmp_path, capsys):
+    start = time.perf_counter()
+    assert main(["serve", "--step-log", str(tmp_path)]) == 2  # a folder, not a file
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"dspark: error: --step-log: cannot write {tmp_path}"), line
+    assert time.perf_counter() - start < 5  # refused before any model is loaded
+
+
 def test_the_console_command_exits_2_with_one_line():
     """The real `dspark` process: exit status 2, one line on stderr, nothing on stdout, well before a model loads."""
     for argv, says in [(["serve", "--port", "70000"], "argument --port: must be an integer in [0, 65535]"),

@@ -74,6 +74,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dspark.serving.runner import EngineRunner
     from dspark.zoo import default_target_path
 
+    step_log = None
+    if args.step_log:  # a bad path fails before the models load
+        try:
+            step_log = StepLog(args.step_log)
+        except OSError as err:
+            raise ValueError(f"--step-log: cannot write {args.step_log}: {err.strerror or err}") from None
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target)
     gamma = drafter_gamma(drafter)
@@ -88,7 +94,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           prefill_chunk=args.prefill_chunk, online_cost=not args.no_online_cost,
                           kv_budget_tokens=args.kv_budget_tokens)
     metrics = ServerMetrics()
-    step_log = StepLog(args.step_log) if args.step_log else None
     engine = Engine(target, drafter, scheduler, cost, config, calibrator, on_step=chain(metrics.observe_step, step_log))
     metrics.watch(engine)
     runner = EngineRunner(engine, on_outputs=metrics.observe_outputs)
