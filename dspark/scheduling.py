@@ -491,7 +491,7 @@ class Scheduler:
         lim = _as_numpy(limits, np.int64)
         num = len(lim)
         layout = cost.layout if cost is not None else "padded"
-        if self.kind == "none":
+        if self.kind == "none" or num == 0:
             return StepPlan([0] * num)
         if self.kind == "fixed":
             return StepPlan(cap_to_budget(fixed_lengths(self.param, lim), token_budget, layout).tolist())

@@ -530,3 +530,47 @@ def test_a_row_whose_drafting_raises_fails_alone_and_the_round_goes_on_without_d
     outs = engine.step()
     assert [(o.request is alone, o.finished) for o in outs] == [(True, True)] and alone.finish_reason == "error"
     assert infos == [] and not engine.has_work
+
+
+# ------------------------------------------------------------------------------------------------------
+# where the round's tensors live
+
+
+class OnItsDevice:
+    """Wraps a target or a drafter so that its own methods run with torch's default device set to its device,
+    as a model on a GPU makes its tensors where it lives whatever the default device is."""
+
+    def __init__(self, inner, device="cpu"):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_device", device)
+
+    def __getattr__(self, name):
+        value = getattr(self._inner, name)
+        if not callable(value) or isinstance(value, torch.nn.Module):
+            return value
+
+        def call(*args, **kwargs):
+            with torch.device(self._device):
+                out = value(*args, **kwargs)
+            return OnItsDevice(out, self._device) if name == "empty_like" else out
+
+        return call
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+
+def test_rounds_make_their_tensors_on_the_targets_device_not_torchs_default():
+    """Under another default device ("meta", a CPU stand-in for `torch.set_default_device("cuda")` beside a
+    CPU target, or for the default CPU beside a GPU target) drafted and plain rounds commit the same tokens: the
+    empty block of a plain round and the accepted counts the target cache keeps are made on the target's device."""
+    drafter = OnItsDevice(ScriptedDrafter(gamma=2, good=lambda seq: 2 if len(seq) == 1 else 0))
+    engine = Engine(OnItsDevice(chain_target()), drafter, "fixed", config=EngineConfig(detokenize=False),
+                    eos_token_ids=frozenset())
+    req = engine.add(Request([0], SamplingParams(seed=1), max_tokens=4))
+    with torch.device("meta"):
+        while engine.has_work:
+            engine.step()
+    assert (req.output_ids, req.finish_reason) == (chain(0, 4), "length")
+    # round 1 verifies two drafts and accepts both; round 2 has no draft budget left: a plain round
+    assert [(rs.draft_len, rs.accepted) for rs in req.rounds] == [(2, 2), (0, 0)]

@@ -5,6 +5,7 @@ softmax(logits)), generators (seeded, unseeded), and the top-k / top-p filter at
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,3 +183,31 @@ def test_top_p_one_keeps_every_token_beside_a_row_that_filters():
 def test_top_k_with_top_p_one_keeps_all_k_tokens():
     out = filter_logits(TAIL, torch.tensor([50]), torch.tensor([1.0]))
     assert int(torch.isfinite(out).sum()) == 50
+
+
+# ------------------------------------------------------------------------------------------------------
+# survivors of the full run (2026-12-02)
+
+
+def test_disabled_filters_pass_the_logits_through_without_a_copy():
+    """With top_k 0 and top_p 1 on every row the filter is a no-op that returns its input itself: no sort, no
+    cumulative sum, no [R, L, V] copy (greedy and plain-temperature batches take this path every round)."""
+    logits = torch.randn(3, 2, 11, generator=torch.Generator().manual_seed(0))
+    assert filter_logits(logits, torch.tensor([0, 0, 0]), torch.tensor([1.0, 1.0, 1.0])) is logits
+    # any filtering row, or a top_p below 1, takes the sorting path (a new tensor)
+    assert filter_logits(logits, torch.tensor([0, 0, 5]), torch.tensor([1.0, 1.0, 1.0])) is not logits
+    assert filter_logits(logits, torch.tensor([0, 0, 0]), torch.tensor([1.0, 0.9, 1.0])) is not logits
+
+
+def test_top_k_of_a_narrow_integer_type_filters_a_wide_vocabulary():
+    """SamplingParams takes any integer type for top_k (numpy's too); the batch stacks it as int64, so a top-k
+    given as an int16 still filters a vocabulary wider than int16 can count (151,936 tokens for Qwen3)."""
+    params = [SamplingParams(temperature=1.0, top_k=np.int16(2)), SamplingParams(temperature=1.0, top_k=np.int16(0))]
+    s = BatchSampling.from_params(params, "cpu")
+    assert s.top_k.dtype == torch.long and s.top_k.tolist() == [2, 0]
+    vocab = 40_000
+    logits = torch.zeros(2, 1, vocab)
+    logits[:, 0, 7], logits[:, 0, 33_000] = 3.0, 2.0
+    probs = logits_to_probs(logits, s)
+    assert probs[0, 0].nonzero().flatten().tolist() == [7, 33_000]  # top-2 of 40,000
+    assert bool((probs[1, 0] > 0).all())  # top_k 0: nothing filtered

@@ -12,6 +12,7 @@ import pytest
 from dspark.scheduling import (
     CostModel,
     Scheduler,
+    _path,
     _plateau_room,
     admission_order,
     batch_table_lengths,
@@ -286,3 +287,40 @@ def test_async_admission_keeps_a_padded_budget_when_current_survivals_widen_the_
     plan = sched.plan(np.array([[0.99, 0.98, 0.97], [0.1, 0.05, 0.01]]), [3, 3], cost, token_budget=4,
                       request_ids=[0, 1])
     assert plan.capacity == 2 and plan.lengths == [1, 0]
+
+
+# ------------------------------------------------------------------------------------------------------
+# survivors of the full run (2026-12-02)
+
+
+def test_cap_to_budget_returns_integer_counts_for_float_lengths():
+    """Like every policy, cap_to_budget returns int64 draft counts, also when handed floats (and also when there is
+    no budget to apply)."""
+    for budget, want in ((None, [3, 3, 3]), (7, [2, 1, 1])):
+        out = cap_to_budget(np.array([3.0, 3.0, 3.0]), budget, "ragged")
+        assert out.dtype == np.int64 and out.tolist() == want, budget
+
+
+def test_path_under_a_budget_is_one_prefix_of_the_admission_order():
+    """The admission path cut by a token budget keeps the same first m candidates in rows, positions and survivals,
+    with the token counts and seconds of steps j = 0..m (m = 0 when only the anchors fit)."""
+    a = np.full((2, 3), 0.9).cumprod(1)
+    cost = linear(2, 3, per_draft=0.01)  # ragged: N = 2 + drafts
+    order = admission_order(a, [3, 3])
+    for budget, m in ((2, 0), (3, 1), (4, 2), (100, 6)):
+        rows, pos, vals, tokens, seconds = _path(a, [3, 3], cost, budget)
+        assert rows.tolist() == order[0][:m].tolist(), budget
+        assert pos.tolist() == order[1][:m].tolist(), budget
+        assert vals.tolist() == order[2][:m].tolist(), budget
+        assert tokens.tolist() == list(range(2, 2 + m + 1)) and len(seconds) == m + 1, budget
+
+
+def test_a_cheap_width_beyond_every_limit_adds_no_room():
+    """A padded profile need not be monotone: here width 3 (N = 4) was measured as cheap as width 1. With the row's
+    limit at 2 drafts, width 3 can never be used, so the cell of cost 1.5 holds one draft, not two: a first draft of
+    survival 0.4 cannot raise Θ above 1 ((1 + 0.4)/1.5 < 1), and Algorithm 1 admits nothing."""
+    cost = CostModel({1: [(1, 1.0), (2, 1.5), (3, 2.0), (4, 1.5)]}, {1: 1.0}, "padded")
+    tokens = np.array([2, 3])
+    assert _plateau_room(np.array([2]), tokens, cost.cost_many(1, tokens), cost).tolist() == [1, 2]
+    lengths, theta = prefix_schedule(np.array([[0.4, 0.3]]), [2], cost)
+    assert lengths.tolist() == [0] and theta == pytest.approx(1.0)

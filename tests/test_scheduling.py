@@ -288,3 +288,10 @@ def test_decode_scheduler_lengths_and_limits(qwen3_target):
         decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 5, scheduler="dspark")
     with pytest.raises(ValueError, match="draft_limits"):
         decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 5, draft_limits=[1])
+
+
+@pytest.mark.parametrize("spec", ["none", "fixed", "threshold:0.5", "batch-table", "dspark", "dspark-async"])
+def test_an_empty_batch_plans_nothing(spec):
+    cost = uniform_cost_model(7, (1, 2))
+    plan = Scheduler(spec, gamma=7).plan(np.zeros((0, 7)), [], cost)
+    assert plan.lengths == []
