@@ -293,8 +293,12 @@ def test_nonfinite_drafts_are_never_verified(bundled_target, prompts):
                     online_calibration=calibrator)
     run(engine, requests, [0, 0, 0, 1, 1, 2])
     assert_neighbours_exact(bundled_target, requests)
-    for req in (nan_req, inf_req):
-        assert req.rounds and all(r.draft_len == 0 and r.available == 0 for r in req.rounds)
+    assert inf_req.rounds and all(r.draft_len == 0 and r.available == 0 for r in inf_req.rounds)  # inf at draft 1
+    # NaN at draft 2: every block that reaches it is dropped; only a round whose budget (tokens left) cut the
+    # block to one draft, at the end of the request, may verify that draft (the NaN is padding then)
+    late = [i for i, r in enumerate(nan_req.rounds) if r.available > 0]
+    assert nan_req.rounds and all(nan_req.rounds[i].available == 1 for i in late)
+    assert all(i >= len(nan_req.rounds) - 2 for i in late), [(r.draft_len, r.available) for r in nan_req.rounds]
     assert 0 < engine.nonfinite_drafts <= drafter.injected
     assert any(r.available > 0 for r in capped.rounds)  # NaN past its 2 drafts is padding
     others = [r for i, req in enumerate(requests) if i not in (1, 2) for r in req.rounds]
