@@ -45,7 +45,18 @@ def load_causal_lm(
         raise FileNotFoundError(f"no model at {path}: expected a Hugging Face folder with config.json")
     check_model_files(path)
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), use_safetensors=True).to(device)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), use_safetensors=True,
+                                                       output_loading_info=True)
+    missing, mismatched = list(info.get("missing_keys") or []), list(info.get("mismatched_keys") or [])
+    if missing or mismatched:  # from_pretrained would fill them with random weights: half a model
+        from dspark.checkpoints import CheckpointMismatch
+
+        unexpected = sorted(info.get("unexpected_keys") or [])
+        raise CheckpointMismatch(
+            f"model folder {path}: its weights do not match its config.json ({model.config.architectures}): "
+            f"missing {sorted(missing)[:5]}" + (f", wrong shape {[k for k, *_ in mismatched][:5]}" if mismatched else "")
+            + (f", unexpected {unexpected[:5]}" if unexpected else ""))
+    model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
     return CausalLM(model, tokenizer, feature_layers=feature_layers)
 

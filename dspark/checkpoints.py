@@ -14,6 +14,7 @@ config.json then has a `quantization_config`, see dspark.quantize); loading dequ
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ def block_config_from_dict(cfg: dict) -> DFlashConfig:
     pick = (lambda k, d=None: dflash.get(k, cfg.get(k, d))) if fmt == "zlab-dflash" else (lambda k, d=None: cfg.get(k, d))
     for key in ("target_layer_ids", "mask_token_id", "block_size"):
         if pick(key) is None:
-            raise ValueError(f"drafter config lacks required field {key!r}")
+            raise ValueError(f"required field {key!r} is missing")
     rank = int(cfg.get("markov_rank", 0) or 0)
     return DFlashConfig(
         **shape_fields(cfg),
@@ -191,11 +192,25 @@ def save_block_drafter(model: DSparkModel, path: str | Path, target: CausalLM, e
     return path
 
 
+@contextmanager
+def _reading_config(path: Path):
+    """Re-raise a malformed config's ValueError / KeyError / TypeError naming the config file."""
+    try:
+        yield
+    except CheckpointMismatch:
+        raise
+    except KeyError as err:
+        raise ValueError(f"drafter config {path / 'config.json'}: required field {err.args[0]!r} is missing") from None
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"drafter config {path / 'config.json'}: {err}") from None
+
+
 def load_block_drafter_model(path: str | Path, target: CausalLM) -> DSparkModel:
     """Load a DeepSpec / dspark / z-lab block drafter for `target`, checking that it fits."""
     path = Path(path)
     raw = read_config(path)
-    cfg = block_config_from_dict(raw)
+    with _reading_config(path):
+        cfg = block_config_from_dict(raw)
     check_fits_target(cfg, target, raw.get("num_target_layers"))
     return _load_weights(DSparkModel(cfg), path, target)
 
@@ -308,8 +323,10 @@ def load_eagle3_model(path: str | Path, target: CausalLM):
     from dspark.drafters.eagle3 import Eagle3Model
 
     path = Path(path)
-    raw = eagle3_fields_from_speculators(read_config(path))
-    cfg = eagle3_config_from_dict(raw)
+    raw = read_config(path)
+    with _reading_config(path):
+        raw = eagle3_fields_from_speculators(raw)
+        cfg = eagle3_config_from_dict(raw)
     problems = _check_common(cfg.hidden_size, cfg.vocab_size, cfg.target_layer_ids, target, raw.get("num_target_layers"))
     if problems:
         raise CheckpointMismatch("drafter does not fit the target: " + "; ".join(problems))
