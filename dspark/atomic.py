@@ -112,6 +112,25 @@ def read_json(path: str | Path, what: str) -> Any:
         raise FileReadError(f"{what} {p} is not valid JSON (truncated or malformed): {err}") from None
 
 
+def read_json_lines(path: str | Path, what: str) -> list[tuple[str, Any]]:
+    """(line, row) for every non-blank line of a JSON-lines file that is appended to as it goes (a training
+    log, a step log). A last line cut short (no newline: the writer was killed mid-line) is left out; any
+    other line that is not JSON raises FileReadError naming `what`, the file and the line."""
+    p = Path(path)
+    lines = p.read_text(encoding="utf-8").splitlines(keepends=True)
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((line, json.loads(line)))
+        except json.JSONDecodeError as err:
+            if number == len(lines) and not line.endswith("\n"):
+                break  # the line being written when the writer died
+            raise FileReadError(f"{what} {p} line {number} is not valid JSON: {err}") from None
+    return out
+
+
 def _looks_pickled(head: bytes) -> bool:
     """Whether a file starting with `head` is a pickle (protocol 2+) or torch.save's zip archive rather than
     safetensors, whose 8-byte header length is followed by its JSON header's "{"."""

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from dspark.atomic import read_json_lines
 from dspark.engine.engine import StepInfo
 
 log = logging.getLogger("dspark.engine")
@@ -77,18 +78,7 @@ class StepLog:
 def read_step_log(path: str | Path) -> list[dict]:
     """The records of a step log; a last line cut short (the writer was killed) is skipped, a bad line
     elsewhere fails naming the file and the line."""
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:
-                continue  # the line being written when the process died
-            raise ValueError(f"{path}: line {i + 1} is not a JSON step record ({err.msg})") from None
-    return records
+    return [row for _, row in read_json_lines(path, "step log")]
 
 
 def chain(*callbacks: Callable[[StepInfo], None] | None) -> Callable[[StepInfo], None]:

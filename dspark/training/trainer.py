@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from dspark.atomic import (FileReadError, load_safetensors, read_json, remove_stale_temps, save_safetensors_atomic,
-                           write_text_atomic)
+from dspark.atomic import (FileReadError, load_safetensors, read_json, read_json_lines, remove_stale_temps,
+                           save_safetensors_atomic, write_text_atomic)
 from dspark.training.data import global_batches
 from dspark.training.feature_cache import FeatureCache
 
@@ -167,21 +167,13 @@ def _drop_log_rows_after(log_path: Path, step: int) -> dict:
     maybe half a row); return the last row kept. A malformed complete row raises FileReadError naming it."""
     if not log_path.exists():
         return {}
-    lines = log_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    rows = read_json_lines(log_path, "training log")
     kept, last = [], {}
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            if number == len(lines) and not line.endswith("\n"):
-                break  # the row being written when the run was killed
-            raise FileReadError(f"training log {log_path} line {number} is not valid JSON: {err}") from None
+    for line, row in rows:
         if row.get("step", 0) <= step:
             kept.append(line)
             last = row
-    if len(kept) != len(lines):
+    if "".join(kept) != log_path.read_text(encoding="utf-8"):
         write_text_atomic(log_path, "".join(kept))
     return last
 
