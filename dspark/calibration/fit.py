@@ -178,10 +178,11 @@ def fit_binned(records: RoundRecords, base: SurvivalMap, bins: int = 10, smoothi
 METHODS = ("binned", "sts")
 
 
-def fit_map(records: RoundRecords, has_head: bool, method: str = "binned") -> SurvivalMap:
+def fit_map(records: RoundRecords, has_head: bool, method: str = "binned", bins: int = 10,
+            smoothing: float = 2.0) -> SurvivalMap:
     """Sequential Temperature Scaling for a drafter with a confidence head, else a logistic map; with
-    method "binned" (the default), histogram binning on top of it."""
+    method "binned" (the default), histogram binning on top of it (`fit_binned`'s bins and smoothing)."""
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}: choose one of {', '.join(METHODS)}")
     base = fit_sequential_temperature(records) if has_head else fit_logistic(records)
-    return fit_binned(records, base) if method == "binned" else base
+    return fit_binned(records, base, bins, smoothing) if method == "binned" else base
