@@ -251,8 +251,12 @@ class _FullBlock(Drafter):
         if block.confidences is not None:
             confidences = torch.zeros(rows, self.gamma, dtype=block.confidences.dtype, device=device)
             confidences[:, :width] = torch.where(keep, block.confidences[:, :width], confidences[:, :width])
+        peaks = None
+        if block.peaks is not None:
+            peaks = torch.full((rows, self.gamma), float("nan"), dtype=block.peaks.dtype, device=device)
+            peaks[:, :width] = torch.where(keep, block.peaks[:, :width], peaks[:, :width])
         lengths = torch.full((rows,), self.gamma, dtype=torch.long, device=device)
-        return DraftBlock(tokens, lengths, probs, confidences)
+        return DraftBlock(tokens, lengths, probs, confidences, peaks)
 
 
 def _eval_token_stream(target: CausalLM) -> list[int]:

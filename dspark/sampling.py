@@ -110,6 +110,18 @@ def logits_to_probs(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tens
     return probs_from_sampling_logits(sampling_logits(logits, sampling), sampling)
 
 
+def greedy_peaks(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor | None:
+    """max_x softmax(logits)(x) [R, L] (float32) for greedy rows of logits [R, L, V], NaN for sampled rows;
+    None when no row is greedy. The peak at temperature 1 is what a greedy row's one-hot q hides."""
+    if not bool(greedy.any()):
+        return None
+    rows = greedy.to(logits.device)
+    out = torch.full(logits.shape[:2], float("nan"), dtype=torch.float32, device=logits.device)
+    sel = logits[rows].float()
+    out[rows] = torch.exp(sel.amax(-1) - torch.logsumexp(sel, -1))
+    return out
+
+
 def gumbel_noise(
     shape: tuple[int, ...], sampling: BatchSampling, generators, device, row_dim: int = 0
 ) -> torch.Tensor:

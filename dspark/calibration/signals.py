@@ -5,9 +5,10 @@ from, never x_k itself (shared/DESIGN.md, "Non-anticipation"). The signals below
 
 - channel 0, ``CONF_LOGIT``: the logit of the drafter's confidence c_k (DSpark's head reads h_k and
   W1[x_{k−1}]); NaN for drafters without a confidence head.
-- channel 1, ``MAX_Q``: max_x q_k(x) of a sampled row's drafting distribution; NaN for greedy rows (q is
-  one-hot there) and for drafters without probabilities (n-gram).
-- channel 2, ``ENTROPY``: the entropy of q_k in nats; NaN where channel 1 is.
+- channel 1, ``MAX_Q``: max_x q_k(x) of a sampled row's drafting distribution. A greedy row's q is one-hot, so
+  there it is the peak of the drafting logits' softmax at temperature 1 (`DraftBlock.peaks`), NaN when the
+  drafter gives none; NaN for drafters without probabilities (n-gram).
+- channel 2, ``ENTROPY``: the entropy of a sampled row's q_k in nats; NaN for greedy rows and where channel 1 is.
 
 The drafted token's own probability q_k(x_k) is deliberately absent: a map of it makes admission depend
 on x_k and biases sampled output.
@@ -25,7 +26,7 @@ NUM_SIGNALS = 3
 def block_signals(block: DraftBlock, greedy: torch.Tensor | None = None) -> torch.Tensor:
     """Return float32 signals [R, γ, 3] of a block (NaN where a signal does not exist).
 
-    greedy: bool [R] rows that decode greedily (their q is one-hot, so channels 1 and 2 are NaN).
+    greedy: bool [R] rows that decode greedily (their q is one-hot: channel 1 is their peak, channel 2 NaN).
     """
     num_rows, gamma = block.tokens.shape
     out = torch.full((num_rows, gamma, NUM_SIGNALS), float("nan"), dtype=torch.float32)
@@ -41,4 +42,8 @@ def block_signals(block: DraftBlock, greedy: torch.Tensor | None = None) -> torc
         out[:, : q.shape[1], ENTROPY] = ent.cpu()
         if greedy is not None and bool(greedy.any()):
             out[greedy.cpu(), :, MAX_Q:] = float("nan")
+    if block.peaks is not None:
+        peaks = block.peaks[:, :gamma].detach().float().cpu()
+        rows = torch.isfinite(peaks).any(1) if greedy is None else greedy.cpu()
+        out[rows, : peaks.shape[1], MAX_Q] = peaks[rows]
     return out

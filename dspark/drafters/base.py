@@ -1,7 +1,7 @@
 """The drafter protocol: every drafting method proposes a `DraftBlock` for a batch of requests."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -16,12 +16,16 @@ class DraftBlock:
     tokens: [R, γ] long (entries past lengths[r] are padding); lengths: [R] long, 0 allowed.
     probs: [R, γ, V] the distributions the drafts were sampled from, or None (one-hot q).
     confidences: [R, γ] predicted survival probability per position, or None.
+    peaks: [R, γ] for greedy rows, max_x softmax(ℓ_k)(x) of the drafting logits ℓ_k at temperature 1 (NaN for
+    sampled rows), or None. A greedy row's q is one-hot, so this is its drafter's only view of how sure it is;
+    it is a function of q_k's logits, never of which token was drafted beyond that (non-anticipating).
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     probs: torch.Tensor | None = None
     confidences: torch.Tensor | None = None
+    peaks: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, num_rows: int, device: torch.device | str = "cpu") -> "DraftBlock":
@@ -45,7 +49,7 @@ class DraftBlock:
     def truncate(self, max_lens: Sequence[int]) -> "DraftBlock":
         """Return the block with row r cut to at most max_lens[r] drafts."""
         cap = torch.as_tensor(list(max_lens), dtype=torch.long, device=self.lengths.device)
-        return DraftBlock(self.tokens, torch.minimum(self.lengths, cap.clamp_min(0)), self.probs, self.confidences)
+        return replace(self, lengths=torch.minimum(self.lengths, cap.clamp_min(0)))
 
 
 @dataclass

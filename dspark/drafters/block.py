@@ -16,7 +16,8 @@ import torch
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.dflash_model import DFlashBackbone, DFlashConfig
 from dspark.drafters.heads import ConfidenceHead, MarkovHead, build_sequential_head
-from dspark.sampling import BatchSampling, filter_logits, gumbel_noise, probs_from_sampling_logits, sampling_logits
+from dspark.sampling import (BatchSampling, filter_logits, greedy_peaks, gumbel_noise, probs_from_sampling_logits,
+                             sampling_logits)
 from dspark.target import CausalLM
 
 
@@ -235,24 +236,28 @@ class BlockDrafter(Drafter):
         all_greedy = bool(sampling.greedy.all())
         noise = None if all_greedy else gumbel_noise((gamma, base.shape[-1]), sampling, generators, device, row_dim=1)
         anchors = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
+        peaks = None
         if head is None:  # plain DFlash: every slot is independent, sample the block at once
             scaled = base if all_greedy else sampling_logits(base.transpose(0, 1), sampling).transpose(0, 1)
             tokens = (scaled if noise is None else scaled + noise).argmax(-1).t().contiguous()
             scaled = scaled.transpose(0, 1)
         else:
-            scaled, tokens = self._sample_sequential(h, base, anchors, sampling, noise)
+            scaled, tokens, peaks = self._sample_sequential(h, base, anchors, sampling, noise)
         probs = None if all_greedy else probs_from_sampling_logits(scaled, sampling)
+        if peaks is None:  # greedy rows' sampling logits are their raw logits (T = 1, no filter)
+            peaks = greedy_peaks(scaled, sampling.greedy)
         conf = None
         if conf_head is not None:  # c_k reads x_{k-1}, all known now: one batched call for the block
             prev_all = torch.cat([anchors.view(-1, 1), tokens[:, :-1]], 1)
             conf = torch.sigmoid(conf_head(h, self.model.prev_embed(prev_all)).float())
         lengths = torch.full((num_rows,), gamma, dtype=torch.long, device=device)
-        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, confidences=conf)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, confidences=conf, peaks=peaks)
 
     def _sample_sequential(self, h, base, prev, sampling: BatchSampling, noise):
         """Left-to-right sampling with the sequential head over slot-major base logits [γ, R, V] (overwritten).
 
-        Returns the sampling logits [R, γ, V] (a view of `base`) and the tokens [R, γ].
+        Returns the sampling logits [R, γ, V] (a view of `base`), the tokens [R, γ] and the greedy rows' peaks
+        (None here: `greedy_peaks` of the sampling logits gives them).
         """
         head = self.model.markov_head
         gamma, num_rows = base.shape[0], base.shape[1]
@@ -286,7 +291,7 @@ class BlockDrafter(Drafter):
                     logits.copy_(filter_logits(logits.unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1))
                 prev = noise[k].add_(logits).argmax(-1)  # the noise is used once: add in place
             tokens.append(prev)
-        return base.transpose(0, 1), torch.stack(tokens, 1)
+        return base.transpose(0, 1), torch.stack(tokens, 1), None
 
     def _sample_candidates(self, base, prev, sampling: BatchSampling, noise, k_cand: int):
         """Left-to-right sampling over each slot's top-K base candidates with the vanilla Markov bias.
@@ -294,7 +299,8 @@ class BlockDrafter(Drafter):
         Per slot: bias_c = W2[c] · W1[x_{k−1}] for the K candidates c only; greedy takes the best candidate,
         sampling applies temperature and top-k/top-p among the candidates and Gumbel-max with the noise
         of those tokens. The returned sampling logits are -inf outside the candidates, so q is exactly
-        the distribution drafted from. Same return values as `_sample_sequential`.
+        the distribution drafted from (greedy-only blocks leave `base` unbiased, so their rows' peaks are taken
+        over the candidates here). Same return values as `_sample_sequential`.
         """
         w1, w2t = self._markov_weights()
         w2 = self._markov_rows(w2t)
@@ -302,10 +308,11 @@ class BlockDrafter(Drafter):
         plain = noise is None
         if not plain:
             temp, scale, filtered = _loop_sampling(sampling)
-        tokens = []
+        tokens, peaks = [], []
         for k in range(base.shape[0]):
             cand = vals[k] + torch.bmm(w2[idx[k]], w1[prev].unsqueeze(-1)).squeeze(-1)  # [R, K]
             if plain:
+                peaks.append(torch.exp(cand.amax(-1) - torch.logsumexp(cand, -1)))
                 pick = cand.argmax(-1)
             else:
                 if scale:
@@ -316,7 +323,7 @@ class BlockDrafter(Drafter):
                 base[k].fill_(float("-inf")).scatter_(-1, idx[k], cand)
             prev = idx[k].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
             tokens.append(prev)
-        return base.transpose(0, 1), torch.stack(tokens, 1)
+        return base.transpose(0, 1), torch.stack(tokens, 1), torch.stack(peaks, 1) if plain else None
 
     def _markov_rows(self, w2t: torch.Tensor) -> torch.Tensor:
         """W2 [V, r] (one row per token) from the cached W2ᵀ, for gathering candidate rows."""

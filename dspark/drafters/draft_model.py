@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 
 from dspark.drafters.base import DraftBlock, Drafter
-from dspark.sampling import BatchSampling, logits_to_probs
+from dspark.sampling import BatchSampling, greedy_peaks, logits_to_probs
 from dspark.target import CausalLM
 
 
@@ -79,12 +79,15 @@ class DraftModelDrafter(Drafter):
         self.fed = [list(seq) for seq in sequences]
 
         tokens = torch.zeros(num_rows, self.gamma, dtype=torch.long, device=self.lm.device)
-        probs = None
+        probs = peaks = None
         last = [len(p) - 1 for p in pending]
         for k in range(self.gamma):
             out = self.lm.forward(pending)
             logits = out.logits[torch.arange(num_rows), torch.tensor(last, device=out.logits.device)]
             q = logits_to_probs(logits.unsqueeze(1), sampling).squeeze(1)  # [R, V]
+            peak = greedy_peaks(logits.unsqueeze(1), sampling.greedy)
+            if peak is not None:
+                peaks = peak if peaks is None else torch.cat([peaks, peak], 1)
             if probs is None:
                 probs = torch.zeros(num_rows, self.gamma, q.shape[-1], device=q.device)
             probs[:, k] = q
@@ -102,4 +105,4 @@ class DraftModelDrafter(Drafter):
         for r in range(num_rows):
             self.fed[r].pop()
         lengths = torch.full((num_rows,), self.gamma, dtype=torch.long, device=self.lm.device)
-        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs)
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, peaks=peaks)

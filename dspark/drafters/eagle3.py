@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.dflash_model import DraftMLP, RMSNorm, RopeTable, project_qkv
-from dspark.sampling import BatchSampling, logits_to_probs
+from dspark.sampling import BatchSampling, greedy_peaks, logits_to_probs
 from dspark.target import CausalLM
 
 
@@ -239,8 +239,10 @@ class Eagle3Drafter(Drafter):
         greedy = sampling.greedy.tolist()
         all_greedy = all(greedy)
         ones = torch.ones(num_rows, dtype=torch.long, device=device)
+        peaks = []
         for k in range(self.gamma):
             logits = self.lm_head(self.model.norm(hidden)).float()[:, 0]  # [R, V]
+            peaks.append(greedy_peaks(logits.unsqueeze(1), sampling.greedy))
             if all_greedy:  # one-hot q: verification needs only the tokens
                 tokens[:, k] = logits.argmax(-1)
             else:
@@ -256,4 +258,5 @@ class Eagle3Drafter(Drafter):
         self.pending_feats = [f[:0] for f in self.pending_feats]
         self.pending_toks = [[] for _ in self.pending_toks]
         lengths = torch.full((num_rows,), self.gamma, dtype=torch.long, device=device)
-        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs)
+        peak = torch.cat(peaks, 1) if peaks and peaks[0] is not None else None
+        return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, peaks=peak)

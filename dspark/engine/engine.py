@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, NamedTuple
 
 import torch
@@ -437,7 +437,7 @@ class Engine:
             return block
         self.nonfinite_drafts += int((~ok).sum())
         lengths = torch.where(ok, block.lengths, torch.zeros_like(block.lengths))
-        return DraftBlock(block.tokens, lengths, block.probs, block.confidences)
+        return replace(block, lengths=lengths)
 
     def _decode_round(self, outputs: list[RequestOutput]) -> StepInfo | None:
         start = time.perf_counter()
