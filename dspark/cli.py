@@ -9,6 +9,7 @@ import time
 from dspark.api import DRAFTER_NAMES, generate, load_drafter, load_target
 from dspark.arguments import (Parser, check_domain, device_arg, domain_arg, drafter_arg, existing_path_arg, int_arg,
                               label_arg, real_arg, scheduler_arg)
+from dspark.calibration.fit import METHODS
 
 POSITIVE = int_arg(1)
 COUNT = int_arg(0)
@@ -292,9 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--batch-size", type=POSITIVE, default=8)
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--plot-dir", default=None, help="write reliability diagrams (PNG) before/after here")
-    cal.add_argument("--method", choices=["binned", "sts"], default="binned",
+    cal.add_argument("--method", choices=list(METHODS), default="binned",
                      help="binned: histogram binning on top of Sequential Temperature Scaling (or the logistic "
-                          "map of drafters without a confidence head); sts: the scaling alone, as in the paper")
+                          "map of drafters without a confidence head); sts: the scaling alone, as in the paper; "
+                          "joint: binning on top of a logistic map of the head logit joined with the drafting "
+                          "distribution's max and entropy (a greedy row's peak)")
     cal.add_argument("--from-records", default=None, type=existing_path_arg, metavar="DIR",
                      help="refit on the rounds an earlier run saved with --records-dir instead of decoding")
     cal.add_argument("--records-dir", default=None, help="also save the recorded fitting and held-out rounds "

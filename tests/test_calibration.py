@@ -9,10 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.calibration.fit import default_temperature_grid, fit_logistic, fit_map, fit_sequential_temperature
+from dspark.calibration.fit import (
+    default_temperature_grid,
+    fit_head_logistic,
+    fit_logistic,
+    fit_map,
+    fit_sequential_temperature,
+)
 from dspark.calibration.maps import (
+    BinnedMap,
     Calibration,
     ConstantMap,
+    HeadLogisticMap,
     HeadTemperatureMap,
     LogisticMap,
     default_map,
@@ -137,6 +145,8 @@ def test_auroc_matches_a_pairwise_count_with_ties() -> None:
     HeadTemperatureMap([0.7, 1.3, 2.0]),
     LogisticMap([0.5, 0.2, -0.1], [[1.0, 0.5, -0.2], [0.8, 0.3, -0.4], [0.2, 1.0, -0.1]]),
     ConstantMap([0.9, 0.8, 0.7]),
+    HeadLogisticMap([[0.1, 0.9], [0.0, 1.2], [-0.3, 0.7]], [[1.0, 0.8, 0.5, -0.2], [0.5, 1.0, 0.3, -0.4],
+                                                           [0.2, 0.6, 1.0, -0.1]]),
 ])
 def test_survival_is_monotone_and_zero_beyond_available(survival_map) -> None:
     gen = torch.Generator().manual_seed(2)
@@ -273,6 +283,55 @@ def test_logistic_fit_handles_positions_without_rows_or_without_sampled_rows() -
 
 
 # ---------------------------------------------------------------- reports
+
+
+def joint_records(n: int = 20000, seed: int = 4) -> RoundRecords:
+    """Rounds whose conditional survival sigmoid(0.5 + 1.2·logit + 2·log peak) reads the head and the peak."""
+    gen = torch.Generator().manual_seed(seed)
+    gamma = 3
+    signals = torch.full((n, gamma, 3), NAN)
+    signals[..., 0] = torch.randn(n, gamma, generator=gen)
+    signals[..., 1] = 0.1 + 0.9 * torch.rand(n, gamma, generator=gen)  # greedy rows' peaks
+    p = torch.sigmoid(0.5 + 1.2 * signals[..., 0] + 2.0 * torch.log(signals[..., 1]))
+    available = random_available(n, gamma, gen)
+    return RoundRecords(signals, available, chain_accepted(p, available, gen), torch.ones(n, dtype=torch.bool))
+
+
+def test_head_logistic_fit_recovers_both_inputs_and_beats_the_head_alone() -> None:
+    records, held = joint_records(), joint_records(seed=5)
+    fitted = fit_head_logistic(records)
+    for w in fitted.weights:
+        assert w[1] == pytest.approx(1.2, abs=0.2) and w[2] == pytest.approx(2.0, abs=0.35)
+    labels, valid = held.conditional_labels()
+    joint = log_loss(fitted.conditional(held.signals)[valid], labels[valid].double())
+    head_only = log_loss(fit_sequential_temperature(records).conditional(held.signals)[valid],
+                         labels[valid].double())
+    assert joint < head_only - 0.02
+    no_peaks = held.signals.clone()
+    no_peaks[..., 1] = NAN  # rows without a peak fall back to the rescaled head: one value per head logit
+    c = fitted.conditional(no_peaks)
+    assert torch.allclose(c[:, 0], torch.sigmoid(fitted.head[0][0] + fitted.head[0][1] * no_peaks[:, 0, 0]).float(),
+                          atol=1e-5)
+    with pytest.raises(ValueError, match="confidence-head logits"):
+        fit_head_logistic(logistic_records())
+    assert isinstance(fit_map(records, True, "joint").base, HeadLogisticMap)
+    assert isinstance(fit_map(logistic_records(), False, "joint").base, LogisticMap)
+
+
+def test_head_logistic_map_round_trips_and_names_bad_fields(tmp_path) -> None:
+    m = HeadLogisticMap([[0.1, 0.9], [0.0, 1.2]], [[1.0, 0.8, 0.5, -0.2], [0.5, 1.0, 0.3, -0.4]])
+    cal = Calibration({0.0: BinnedMap(m, [[0.5], []], [[0.3, 0.8], [0.6]])})
+    path = cal.to_json(tmp_path / "cal.json")
+    signals, available = mixed_signals()
+    assert torch.equal(Calibration.load(path).survival(signals, available, [0.0] * len(signals)),
+                       cal.survival(signals, available, [0.0] * len(signals)))
+    for mutate, pattern in [(lambda d: d["maps"]["0.0"]["base"]["weights"][0].pop(), r"base\.weights\[0\]"),
+                            (lambda d: d["maps"]["0.0"]["base"].pop("head"), r"base\.head"),
+                            (lambda d: d["maps"]["0.0"]["base"]["head"].pop(), r"base\.weights")]:
+        cal.to_json(path)
+        corrupt(path, mutate)
+        with pytest.raises(ValueError, match=pattern):
+            Calibration.load(path)
 
 
 def test_calibration_report_is_json_and_consistent() -> None:

@@ -34,7 +34,7 @@ from scipy.stats import chi2 as chi2_dist
 
 import dspark
 from dspark.api import encode_prompt
-from dspark.calibration.maps import BinnedMap, Calibration, HeadTemperatureMap, LogisticMap
+from dspark.calibration.maps import BinnedMap, Calibration, HeadLogisticMap, HeadTemperatureMap, LogisticMap
 from dspark.decoding import decode, drafter_gamma
 from dspark.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from dspark.drafters.block import BlockDrafter, DSparkModel
@@ -230,7 +230,7 @@ def test_own_token_probability_estimator_is_caught():
     assert abs(binomial_z(int((first == 0).sum()), n, 0.77)) < Z
 
 
-@pytest.mark.parametrize("estimator", ["confidence-head", "q-signals", "binned-head"])
+@pytest.mark.parametrize("estimator", ["confidence-head", "q-signals", "binned-head", "joint-head"])
 def test_shipped_survival_estimators_pass(estimator):
     """Same world, shipped estimators with threshold 0.5, where draft 2's admission depends on x1:
     the confidence head's cumprod (c_1 = 0.8; c_2 = 0.9 after A, 0.3 after B: it reads x_{k−1} only) and
@@ -243,10 +243,14 @@ def test_shipped_survival_estimators_pass(estimator):
         binned = BinnedMap(HeadTemperatureMap([1.0, 1.0]), edges=[[], [0.5]], values=[[0.8], [0.2, 0.9]])
         drafter = TableDrafter([Q1, Q2], confidences=[torch.tensor([0.8, 0.8]), torch.tensor([0.9, 0.3])],
                                calibration=Calibration({1.0: binned}))
+    elif estimator == "joint-head":  # sigmoid(3 + logit c_k + 10·log max q_k − 2·entropy): a_2 0.91 after A, 0.01 after B
+        joint = HeadLogisticMap(head=[[0.0, 1.0]] * 2, weights=[[3.0, 1.0, 10.0, -2.0]] * 2)
+        drafter = TableDrafter([Q1, Q2], confidences=[torch.tensor([0.8, 0.8]), torch.tensor([0.9, 0.3])],
+                               calibration=Calibration({1.0: joint}))
     else:  # c_k = sigmoid(3 + 10·log max q_k − 2·entropy(q_k)): 0.785 for q = (0.9, 0.1), 0.03 for (0.4, 0.6)
         cal = Calibration({1.0: LogisticMap(prior=[0.0, 0.0], weights=[[3.0, 10.0, -2.0], [3.0, 10.0, -2.0]])})
         drafter = TableDrafter([Q1, Q2], calibration=cal)
-    offset = {"confidence-head": 0, "q-signals": 10_000, "binned-head": 20_000}[estimator]
+    offset = {"confidence-head": 0, "q-signals": 10_000, "binned-head": 20_000, "joint-head": 30_000}[estimator]
     params = [seeded(T1, 600_000 + offset + i) for i in range(n)]
     res = decode(target, drafter, [[0]] * n, params, max_new_tokens=3, scheduler="threshold:0.5")
     lengths = {r.rounds[0].draft_len for r in res}

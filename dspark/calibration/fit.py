@@ -5,7 +5,8 @@
 - Histogram binning on top of either (`fit_binned`): per position, equal-mass bins of the base map's cumulative
   survival, each bin's value the observed survival of its rows (smoothed towards the bin's mean prediction).
 - Logistic maps (drafters without a head): per position, a logistic regression of the conditional label on
-  log max_q and the entropy of the drafting distribution for sampled rows, a smoothed prior for the rest.
+  log max_q and the entropy of the drafting distribution (a greedy row's peak), a smoothed prior for the rest.
+- Head-logistic maps (method "joint"): the same regression with the head logit as a third input.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.calibration.maps import BinnedMap, HeadTemperatureMap, LogisticMap, SurvivalMap, fill_unavailable
+from dspark.calibration.maps import (BinnedMap, HeadLogisticMap, HeadTemperatureMap, LogisticMap, SurvivalMap,
+                                    fill_unavailable)
 from dspark.calibration.metrics import DEFAULT_BINS, ece_batch
 from dspark.calibration.records import RoundRecords
 from dspark.calibration.signals import CONF_LOGIT, ENTROPY, MAX_Q
@@ -77,7 +79,7 @@ def _smoothed_logit(y: torch.Tensor) -> float:
 
 
 def _fit_logistic_regression(x: torch.Tensor, y: torch.Tensor, l2: float, max_iter: int = 200) -> list[float]:
-    """[w0, w1, w2] minimising mean log loss of sigmoid(w0 + x·w) + l2‖w‖² (on standardised features).
+    """[w0, w1, …] minimising mean log loss of sigmoid(w0 + x·w) + l2‖w‖² (on standardised features x [n, d]).
 
     The intercept gets l2·1e-3, which only keeps a position whose labels are all equal finite.
     """
@@ -85,7 +87,7 @@ def _fit_logistic_regression(x: torch.Tensor, y: torch.Tensor, l2: float, max_it
     std = x.std(0, unbiased=False)
     std = torch.where(std > 1e-8, std, torch.ones_like(std))
     xs = (x - mean) / std
-    theta = torch.zeros(3, dtype=torch.float64)
+    theta = torch.zeros(1 + x.shape[1], dtype=torch.float64)
     theta[0] = _smoothed_logit(y)
     theta.requires_grad_(True)
     opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-14,
@@ -103,7 +105,7 @@ def _fit_logistic_regression(x: torch.Tensor, y: torch.Tensor, l2: float, max_it
         opt.step(closure)
     b, v = theta.detach()[0], theta.detach()[1:]
     slopes = v / std
-    return [float(b - (slopes * mean).sum()), float(slopes[0]), float(slopes[1])]
+    return [float(b - (slopes * mean).sum()), *(float(w) for w in slopes)]
 
 
 def fit_logistic(records: RoundRecords, l2: float = 1e-3) -> LogisticMap:
@@ -137,6 +139,36 @@ def fit_logistic(records: RoundRecords, l2: float = 1e-3) -> LogisticMap:
         priors.append(prior)
         weights.append(w)
     return LogisticMap(priors, weights)
+
+
+def fit_head_logistic(records: RoundRecords, l2: float = 1e-3) -> HeadLogisticMap:
+    """Per-position logistic map of the conditional labels on the head logit joined with log max_q and the
+    entropy (rows with a finite max_q: sampled rows and greedy rows' peaks), with a head-only fallback fitted
+    on every row of the position. A position with no rows copies the previous one (the raw head at k = 1)."""
+    labels, valid = records.conditional_labels()
+    logit = records.signals[..., CONF_LOGIT].to(torch.float64)
+    if bool(torch.isnan(logit[valid]).any()):
+        raise ValueError("a head-logistic map needs confidence-head logits (signal channel 0), got NaN: this "
+                         "drafter has no confidence head; fit a logistic map instead")
+    max_q = records.signals[..., MAX_Q].to(torch.float64)
+    entropy = torch.nan_to_num(records.signals[..., ENTROPY].to(torch.float64), nan=0.0)
+    head: list[list[float]] = []
+    weights: list[list[float]] = []
+    for k in range(records.gamma):
+        rows = valid[:, k]
+        if not bool(rows.any()):
+            head.append(list(head[-1]) if head else [0.0, 1.0])
+            weights.append(list(weights[-1]) if weights else [0.0, 1.0, 0.0, 0.0])
+            continue
+        y = labels[:, k].to(torch.float64)
+        head.append(_fit_logistic_regression(logit[rows, k].unsqueeze(1), y[rows], l2))
+        joint = rows & torch.isfinite(max_q[:, k])
+        if bool(joint.any()):
+            x = torch.stack([logit[joint, k], torch.log(max_q[joint, k].clamp_min(1e-12)), entropy[joint, k]], 1)
+            weights.append(_fit_logistic_regression(x, y[joint], l2))
+        else:
+            weights.append([*head[-1], 0.0, 0.0])
+    return HeadLogisticMap(head, weights)
 
 
 def fit_binned(records: RoundRecords, base: SurvivalMap, bins: int = 10, smoothing: float = 2.0) -> BinnedMap:
@@ -175,14 +207,19 @@ def fit_binned(records: RoundRecords, base: SurvivalMap, bins: int = 10, smoothi
     return BinnedMap(base, edges, values)
 
 
-METHODS = ("binned", "sts")
+METHODS = ("binned", "sts", "joint")
 
 
 def fit_map(records: RoundRecords, has_head: bool, method: str = "binned", bins: int = 10,
             smoothing: float = 2.0) -> SurvivalMap:
-    """Sequential Temperature Scaling for a drafter with a confidence head, else a logistic map; with
-    method "binned" (the default), histogram binning on top of it (`fit_binned`'s bins and smoothing)."""
+    """The base map, then histogram binning on top of it (`fit_binned`'s bins and smoothing) unless method is
+    "sts". Base: for a drafter with a confidence head, Sequential Temperature Scaling ("binned", "sts") or the
+    head joined with the drafting distribution's shape ("joint", `fit_head_logistic`); without a head, the
+    logistic map of that shape whatever the method."""
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}: choose one of {', '.join(METHODS)}")
-    base = fit_sequential_temperature(records) if has_head else fit_logistic(records)
-    return fit_binned(records, base, bins, smoothing) if method == "binned" else base
+    if not has_head:
+        base: SurvivalMap = fit_logistic(records)
+    else:
+        base = fit_head_logistic(records) if method == "joint" else fit_sequential_temperature(records)
+    return base if method == "sts" else fit_binned(records, base, bins, smoothing)

@@ -135,11 +135,28 @@ class SurvivalMap(ABC):
         return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in self.params().items())})"
 
 
-class HeadTemperatureMap(SurvivalMap):
+class _HeadMap(SurvivalMap):
+    """A map reading the confidence head's logit, which must be finite wherever a draft is available."""
+
+    reads_head = True
+
+    def _logit(self, signals: torch.Tensor) -> torch.Tensor:
+        logit = signals[..., CONF_LOGIT]
+        if bool(torch.isnan(logit).any()):
+            raise ValueError(f"{type(self).__name__} needs confidence-head logits (signal channel 0), got NaN: this "
+                             "drafter has no confidence head; use a LogisticMap or ConstantMap")
+        return logit
+
+    def survival(self, signals: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+        """As `SurvivalMap.survival`; NaN logits only past `available` (padding) are allowed."""
+        _check_signals(signals)
+        return super().survival(fill_unavailable(signals, available), available)
+
+
+class HeadTemperatureMap(_HeadMap):
     """c_k = sigmoid(logit_k / T_k) of the confidence head (Sequential Temperature Scaling)."""
 
     kind = "head-temperature"
-    reads_head = True
 
     def __init__(self, temperatures: Sequence[float]) -> None:
         temps = _finite_list(temperatures, "temperatures")
@@ -157,17 +174,9 @@ class HeadTemperatureMap(SurvivalMap):
 
     def conditional(self, signals: torch.Tensor) -> torch.Tensor:
         _check_signals(signals)
-        logit = _float_dtype(signals)[..., CONF_LOGIT]
-        if bool(torch.isnan(logit).any()):
-            raise ValueError("HeadTemperatureMap needs confidence-head logits (signal channel 0), got NaN: this "
-                             "drafter has no confidence head; use a LogisticMap or ConstantMap")
+        logit = self._logit(_float_dtype(signals))
         t = self._t.get(logit.shape[1], logit)
         return torch.sigmoid(logit / t).clamp_(_EPS, 1 - _EPS)
-
-    def survival(self, signals: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
-        """As `SurvivalMap.survival`; NaN logits only past `available` (padding) are allowed."""
-        _check_signals(signals)
-        return super().survival(fill_unavailable(signals, available), available)
 
 
 class LogisticMap(SurvivalMap):
@@ -207,6 +216,48 @@ class LogisticMap(SurvivalMap):
         prior = self._prior.get(gamma, max_q)
         z = w[:, 0] + w[:, 1] * torch.log(max_q.clamp_min(_MIN_Q)) + w[:, 2] * torch.nan_to_num(entropy, nan=0.0)
         z = torch.where(torch.isfinite(max_q), z, prior)
+        return torch.sigmoid(z).clamp_(_EPS, 1 - _EPS)
+
+
+class HeadLogisticMap(_HeadMap):
+    """c_k = sigmoid(w_k0 + w_k1·logit_k + w_k2·log max_q + w_k3·entropy) where max_q is finite, else
+    sigmoid(u_k0 + u_k1·logit_k): the confidence head's logit joined with the drafting distribution's shape.
+
+    For drafters with a confidence head. The head reads x_{k−1}, max_q and the entropy read q_k (a greedy row's
+    peak), so the map stays non-anticipating; rows without a finite max_q fall back to a rescaled head.
+    """
+
+    kind = "head-logistic"
+
+    def __init__(self, head: Sequence[Sequence[float]], weights: Sequence[Sequence[float]]) -> None:
+        head_rows = [_finite_list(u, f"head[{k}]") for k, u in enumerate(head)]
+        rows = [_finite_list(w, f"weights[{k}]") for k, w in enumerate(weights)]
+        if not rows or len(rows) != len(head_rows):
+            raise ValueError(f"head has {len(head_rows)} positions but weights has {len(rows)}")
+        if any(len(u) != 2 for u in head_rows) or any(len(w) != 4 for w in rows):
+            raise ValueError("each head row must be [u0, u_logit] and each weights row [w0, w_logit, "
+                             f"w_log_max_q, w_entropy], got {head_rows} and {rows}")
+        self.head = head_rows
+        self.weights = rows
+        self._u = _ParamCache(torch.tensor(head_rows, dtype=torch.float64))
+        self._w = _ParamCache(torch.tensor(rows, dtype=torch.float64))
+
+    @property
+    def length(self) -> int:
+        return len(self.weights)
+
+    def params(self) -> dict[str, Any]:
+        return {"head": [list(u) for u in self.head], "weights": [list(w) for w in self.weights]}
+
+    def conditional(self, signals: torch.Tensor) -> torch.Tensor:
+        _check_signals(signals)
+        s = _float_dtype(signals)
+        logit, max_q, entropy = self._logit(s), s[..., MAX_Q], s[..., ENTROPY]
+        gamma = s.shape[1]
+        w, u = self._w.get(gamma, logit), self._u.get(gamma, logit)
+        joint = w[:, 0] + w[:, 1] * logit + w[:, 2] * torch.log(max_q.clamp_min(_MIN_Q)) \
+            + w[:, 3] * torch.nan_to_num(entropy, nan=0.0)
+        z = torch.where(torch.isfinite(max_q), joint, u[:, 0] + u[:, 1] * logit)
         return torch.sigmoid(z).clamp_(_EPS, 1 - _EPS)
 
 
@@ -304,8 +355,8 @@ class BinnedMap(SurvivalMap):
         return super().survival(fill_unavailable(signals, available), available)
 
 
-MAP_KINDS: dict[str, type[SurvivalMap]] = {m.kind: m for m in (HeadTemperatureMap, LogisticMap, ConstantMap,
-                                                                BinnedMap)}
+MAP_KINDS: dict[str, type[SurvivalMap]] = {m.kind: m for m in (HeadTemperatureMap, HeadLogisticMap, LogisticMap,
+                                                                ConstantMap, BinnedMap)}
 
 
 def default_map(has_head: bool, gamma: int) -> SurvivalMap:
@@ -330,8 +381,8 @@ def map_from_dict(data: Any, where: str = "map") -> SurvivalMap:
     kind = data.get("kind")
     if kind not in MAP_KINDS:
         raise ValueError(f"field '{where}.kind' must be one of {sorted(MAP_KINDS)}, got {kind!r}")
-    for name in {"head-temperature": ["temperatures"], "logistic": ["prior", "weights"],
-                 "constant": ["values"], "binned": ["base", "edges", "values"]}[kind]:
+    for name in {"head-temperature": ["temperatures"], "head-logistic": ["head", "weights"],
+                 "logistic": ["prior", "weights"], "constant": ["values"], "binned": ["base", "edges", "values"]}[kind]:
         if name not in data:
             raise ValueError(f"field '{where}.{name}' is missing (kind {kind!r})")
     try:
@@ -348,6 +399,12 @@ def map_from_dict(data: Any, where: str = "map") -> SurvivalMap:
             return HeadTemperatureMap(_number_list(data["temperatures"], f"{where}.temperatures"))
         if kind == "constant":
             return ConstantMap(_number_list(data["values"], f"{where}.values"))
+        if kind == "head-logistic":
+            head, weights = data["head"], data["weights"]
+            if not isinstance(head, list) or not head or not isinstance(weights, list) or len(weights) != len(head):
+                raise ValueError(f"field '{where}.weights' must be a list of rows, one per row of '{where}.head'")
+            return HeadLogisticMap([_number_list(u, f"{where}.head[{k}]", 2) for k, u in enumerate(head)],
+                                   [_number_list(w, f"{where}.weights[{k}]", 4) for k, w in enumerate(weights)])
         prior = _number_list(data["prior"], f"{where}.prior")
         weights = data["weights"]
         if not isinstance(weights, list) or len(weights) != len(prior):
