@@ -8,7 +8,7 @@ from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
 from dspark.sampling import BatchSampling, SamplingParams
 from dspark.target import CausalLM
 from dspark.training.block_objective import target_pass
-from dspark.training.eagle3_objective import eagle3_loss, ttt_logits
+from dspark.training.eagle3_objective import eagle3_loss, ttt_logits, ttt_targets
 from tests.conftest import tiny_qwen3
 
 
@@ -55,6 +55,16 @@ def test_ttt_steps_match_drafting_steps():
             hidden = drafter._step(hidden, ids[p + j].view(1, 1), torch.tensor([1]))
             logits = drafter.lm_head(model.norm(hidden[0, 0])).float()
             torch.testing.assert_close(logits, train_logits[j][p - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_ttt_supervises_the_first_answer_token_from_the_header():
+    """The row whose input token is the prompt's last token (the first round's anchor) and whose label is the
+    first answer token is supervised at step 0; rows whose label is a prompt token are not."""
+    mask = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    tok_idx, valid = ttt_targets(mask, 0)
+    assert tok_idx.tolist() == [1, 2, 3, 4, 5, 6]
+    assert valid.tolist() == [False, False, True, True, True, True]  # row 2: token 3 (header), label 4 (answer)
+    assert ttt_targets(mask, 1)[1].tolist() == [False, True, True, True, True, False]
 
 
 def test_eagle3_loss_trains():

@@ -32,9 +32,12 @@ class AnchoredBlocks:
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """Sorted random anchor positions i with loss_mask[i] and loss_mask[i+1] (at most num_anchors)."""
+    """Sorted random anchor positions i with loss_mask[i+1] (at most num_anchors).
+
+    The anchor itself may lie outside the answer: the last token of the chat header (`<|im_start|>assistant\n`)
+    is the anchor of every request's first round at inference, so its block must be learned too."""
     m = loss_mask.bool()
-    candidates = (m[:-1] & m[1:]).nonzero().flatten()
+    candidates = m[1:].nonzero().flatten()
     if len(candidates) > num_anchors:
         pick = torch.randperm(len(candidates), generator=generator)[:num_anchors]
         candidates = candidates[pick]

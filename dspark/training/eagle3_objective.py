@@ -41,14 +41,15 @@ def ttt_logits(model: Eagle3Model, target_model, input_ids: torch.Tensor, feats:
 
 def ttt_targets(loss_mask: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For TTT step `step` over a sequence with loss_mask [S]: the index [S−2] of the target position
-    whose distribution each row imitates (its token x_{t+1+j}), and whether the row is supervised
-    (its input token and its label x_{t+2+j} are answer tokens)."""
+    whose distribution each row imitates (its token x_{t+1+j}), and whether the row is supervised (its label
+    x_{t+2+j} is an answer token; its input token may be the chat header's last one, the anchor of every
+    request's first round at inference)."""
     seq_len = loss_mask.shape[0]
     idx = torch.arange(seq_len - 2, device=loss_mask.device)
     label_idx = idx + 2 + step
     tok_idx = (idx + 1 + step).clamp(max=seq_len - 1)
     lm = loss_mask.bool()
-    return tok_idx, (label_idx < seq_len) & lm[label_idx.clamp(max=seq_len - 1)] & lm[tok_idx]
+    return tok_idx, (label_idx < seq_len) & lm[label_idx.clamp(max=seq_len - 1)]
 
 
 def eagle3_loss(
