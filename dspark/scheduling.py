@@ -410,42 +410,32 @@ class Scheduler:
     """A named policy plus its state. The decoding loop calls `wants_drafts` before drafting, then `plan`.
 
     name: "none" | "fixed:K" | "threshold:θ" | "batch-table[:B=K,...]" | "dspark" | "dspark-async".
-    Adaptive policies ("dspark", "dspark-async") pause drafting when their best schedules are expected slower
-    than plain decoding (the gain log Θ_best / Θ_plain, smoothed over drafted steps), and probe again when a
-    probe's expected loss is at most PROBE_COST of the steps waited since: a probe that loses L plain steps'
-    worth of time waits L / PROBE_COST steps (at least MIN_WAIT, at most `max_backoff`), so probing costs
-    about PROBE_COST of the time wherever drafting does not pay, and a near-break-even pause is short. The
-    expected loss comes from Algorithm 1 at the current batch size and costs on the workload's recent
-    survival rows (up to RECENT_ROWS rows of the last drafted steps, cut into batches of the current size,
-    up to GATE_ROWS rows in all; rows, not their mean: a batch of easy and hard requests can pay where its
-    average row would not), and right after a pause from the pausing step's own gain; it is worked out
-    again whenever the batch size changes, so a batch where drafting pays probes at once.
+    Adaptive policies ("dspark", "dspark-async") skip drafting when their best schedules are expected
+    slower than plain decoding (smoothed over steps), for a back-off of 4 steps that grows fourfold while
+    drafting keeps not paying (up to `max_backoff`), then probe again. A probe is skipped too while
+    Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
+    the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload) still
+    predicts no gain at the current batch size and costs, so a batch where drafting never pays probes once
+    per `max_backoff` steps.
     """
 
     #: weight of a drafted step in the smoothed gain
     SMOOTHING = 0.3
-    #: survival rows of past drafted steps kept to predict what a probe would lose
-    RECENT_ROWS = 1024
-    #: rows the probe check schedules at most (in batches of the current size)
-    GATE_ROWS = 512
-    #: share of the waiting time a probe may lose
-    PROBE_COST = 0.01
-    #: fewest steps a pause lasts
-    MIN_WAIT = 4
+    #: weight of a drafted step's mean survival row in the typical row that gates probes
+    SURVIVAL_SMOOTHING = 0.05
 
     def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
         self.spec = spec
         self.gamma = gamma
         self.kind, self.param = parse_policy(spec, gamma)
         self.max_backoff = max_backoff
-        self._paused = False
-        self._waited = 0  # steps since the pause began or the last probe (this one included)
-        self._due = 0  # steps to wait before the next probe is considered
-        self._due_rows = 0  # the batch size _due was worked out for
+        self._skip = 0
+        self._backoff = 4
         self._gain: float | None = None
         self._probing = False
+        self._since_probe = 0
         self._last_cost: CostModel | None = None
-        self._recent: deque[np.ndarray] = deque(maxlen=self.RECENT_ROWS)
+        self._last_mean: np.ndarray | None = None
         self._history: deque[dict[int, np.ndarray]] = deque(maxlen=2)
         self.drafted_steps = 0
         self.skipped_steps = 0
@@ -465,51 +455,35 @@ class Scheduler:
         """Whether the policy may skip drafting when it does not pay."""
         return self.kind in ("dspark", "dspark-async")
 
-    @property
-    def paused(self) -> bool:
-        """Whether an adaptive policy is pausing drafting (it probes now and then)."""
-        return self._paused
-
     def wants_drafts(self, num_rows: int) -> bool:
         """Whether the coming step should call the drafter at all."""
         if self.kind == "none" or (self.kind == "fixed" and self.param == 0):
             return False
-        if self._paused:
-            self._waited += 1
-            if self._waited <= self._due and num_rows == self._due_rows:
-                self.skipped_steps += 1
-                return False
-            # due, or the batch size changed: what would a probe of this batch lose on the recent rows?
-            self._due = min(self.max_backoff, self._wait_for(self._predicted_loss(num_rows)))
-            self._due_rows = num_rows
-            if self._waited <= self._due:
-                self.skipped_steps += 1
-                return False
-            self._probing = True
+        if self._skip > 0:
+            self._skip -= 1
+            self.skipped_steps += 1
+            return False
+        if self._probing and self._since_probe < self.max_backoff and not self._predicted_to_pay(num_rows):
+            # the last drafted step's survivals still say drafting cannot pay at this batch size under the
+            # current (online-corrected) costs: keep skipping without paying for a probe
+            self._since_probe += self._backoff
+            self._skip = self._backoff - 1
+            self._backoff = min(self.max_backoff, self._backoff * 4)
+            self.skipped_steps += 1
+            return False
+        self._since_probe = 0
         self.drafted_steps += 1
         return True
 
-    def _wait_for(self, loss: float) -> int:
-        """Steps to wait before a probe expected to lose `loss` plain steps' worth of time."""
-        return max(self.MIN_WAIT, math.ceil(loss / self.PROBE_COST - 1e-9)) if loss > 0 else 0
-
-    def _predicted_loss(self, num_rows: int) -> float:
-        """Expected time a drafted step of `num_rows` requests loses against plain decoding, in plain steps
-        (0 when it is expected to pay): Algorithm 1 on batches of recent survival rows, newest first
-        (survivals of finished steps only: non-anticipating)."""
-        cost = self._last_cost
-        if cost is None or not self._recent or num_rows < 1:
-            return 0.0
-        pool = np.stack(self._recent)[::-1]
-        batches = max(1, min(len(pool), max(num_rows, self.GATE_ROWS)) // num_rows)
-        limits = np.full(num_rows, pool.shape[1])
-        plain = cost.plain_cost(num_rows)
-        losses = []
-        for b in range(batches):
-            lengths, theta = prefix_schedule(pool[(np.arange(num_rows) + b * num_rows) % len(pool)], limits, cost)
-            seconds = cost.cost(num_rows, step_tokens(lengths, cost.layout))
-            losses.append(seconds * (1.0 - theta * plain / num_rows) / plain)
-        return max(0.0, float(np.mean(losses)))
+    def _predicted_to_pay(self, num_rows: int) -> bool:
+        """Whether Algorithm 1 on the typical survival row of past drafted steps, repeated for `num_rows`
+        requests, beats plain decoding (survivals of finished steps only: non-anticipating)."""
+        if self._last_cost is None or self._last_mean is None:
+            return True
+        a = np.repeat(self._last_mean[None, :], num_rows, axis=0)
+        limits = np.full(num_rows, a.shape[1])
+        _, theta = prefix_schedule(a, limits, self._last_cost)
+        return theta >= num_rows / self._last_cost.plain_cost(num_rows)
 
     def plan(self, survival, limits: Sequence[int], cost: CostModel | None = None, token_budget: int | None = None,
              request_ids: Sequence[int] | None = None) -> StepPlan:
@@ -543,18 +517,19 @@ class Scheduler:
             lengths = top_capacity(a, lim, capacity, cost, token_budget)
         self._last_cost = cost
         if len(a):
-            if self._recent and self._recent[0].shape[0] != a.shape[1]:
-                self._recent.clear()  # another block width: the old rows do not fit the gate's batches
-            self._recent.extend(np.array(a, dtype=np.float64))  # a copy: the caller may reuse its array
-        self._after_plan(theta, cost.cost(num, step_tokens(lengths, layout)), cost.plain_cost(num), num)
+            mean = a.mean(0)
+            if self._last_mean is None or self._last_mean.shape != mean.shape:
+                self._last_mean = mean
+            else:
+                self._last_mean = self._last_mean + self.SURVIVAL_SMOOTHING * (mean - self._last_mean)
+        self._after_plan(theta, cost.plain_cost(num), num)
         return StepPlan(lengths.tolist(), theta, capacity)
 
-    def _after_plan(self, theta: float, seconds: float, plain_seconds: float, num: int) -> None:
-        """Pause drafting while the expected gain of drafting over plain decoding is negative.
+    def _after_plan(self, theta: float, plain_seconds: float, num: int) -> None:
+        """Back off from drafting while the expected gain of drafting over plain decoding is negative.
 
         The gain is log(Θ_best / Θ_plain), smoothed over drafted steps (weight SMOOTHING) so one hard round does
-        not stop drafting; a probe's gain replaces the smoothed value. A pause waits what a step like this one
-        would lose, divided by PROBE_COST (`_wait_for`).
+        not stop drafting; the first step after a pause (a probe) replaces the smoothed value.
         """
         if not self.adaptive:
             return
@@ -564,11 +539,12 @@ class Scheduler:
         else:
             self._gain += self.SMOOTHING * (gain - self._gain)
         self._probing = False
-        self._paused = self._gain < 0
-        if self._paused:
-            self._waited = 0
-            loss = seconds * (1.0 - math.exp(self._gain)) / plain_seconds
-            self._due, self._due_rows = min(self.max_backoff, self._wait_for(loss)), num
+        if self._gain < 0:
+            self._skip = self._backoff
+            self._backoff = min(self.max_backoff, self._backoff * 4)
+            self._probing = True
+        else:
+            self._backoff = 4
 
 
 def parse_policy(spec: str, gamma: int) -> tuple[str, object]:
