@@ -14,9 +14,11 @@ import torch
 import dspark
 from dspark.api import encode_prompt
 from dspark.calibration.fit import fit_logistic
+from dspark.calibration.maps import BinnedMap, Calibration, ConstantMap, LogisticMap
 from dspark.calibration.metrics import auroc
 from dspark.calibration.records import RoundRecords
 from dspark.calibration.signals import ENTROPY, MAX_Q, block_signals
+from dspark.decoding import decode
 from dspark.sampling import BatchSampling, SamplingParams, greedy_peaks
 
 DRAFTERS = ["dspark", "dspark-rnn", "dflash", "eagle3", "draft-model"]
@@ -32,7 +34,8 @@ def test_greedy_peaks_are_the_softmax_max_of_greedy_rows_only() -> None:
     assert greedy_peaks(logits, torch.zeros(3, dtype=torch.bool)) is None
 
 
-def propose(drafter, target, ids, params: list[SamplingParams]):
+def propose(drafter, target, ids, params: list[SamplingParams], peaks: bool = True):
+    drafter.report_peaks = peaks
     n = len(params)
     target.reset(1)
     target.set_feature_layers(drafter.feature_layers)
@@ -92,3 +95,23 @@ def test_a_logistic_map_fitted_on_greedy_peaks_discriminates() -> None:
     without = signals.clone()
     without[..., MAX_Q] = float("nan")  # a drafter without peaks gets the position's prior: one value per position
     assert torch.unique(fitted.conditional(without)[:, 0]).numel() == 1
+
+
+def test_peaks_are_computed_only_when_recorded_or_read(bundled_target) -> None:
+    """A peak costs a pass over the vocabulary per draft: drafters skip it unless the engine records signals
+    or the drafter's calibration has a greedy map that reads it."""
+    drafter = dspark.load_drafter("dflash", bundled_target, gamma=3)
+    greedy = SamplingParams(temperature=0.0)
+    ids = encode_prompt(bundled_target, "def fib(n):")
+    assert propose(drafter, bundled_target, ids, [greedy], peaks=False)[0].peaks is None
+    assert propose(drafter, bundled_target, ids, [greedy])[0].peaks is not None
+    assert drafter.calibration.greedy_reads_q is False  # the shipped T 0 maps give greedy rows a prior
+    decode(bundled_target, drafter, [ids], [greedy], 4)
+    assert drafter.report_peaks is False
+    decode(bundled_target, drafter, [ids], [greedy], 4, record_signals=True)
+    assert drafter.report_peaks is True
+    reading = Calibration({0.0: BinnedMap(LogisticMap([1.0], [[1.0, 2.0, 0.0]]), [[]], [[0.8]])})
+    assert reading.greedy_reads_q and not Calibration({0.0: ConstantMap([0.7])}).greedy_reads_q
+    drafter.calibration = reading
+    decode(bundled_target, drafter, [ids], [greedy], 4)
+    assert drafter.report_peaks is True

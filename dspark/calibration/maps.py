@@ -122,6 +122,11 @@ class SurvivalMap(ABC):
 
     reads_head: ClassVar[bool] = False  # whether the map reads the confidence-head logit (signal channel 0)
 
+    @property
+    def reads_q(self) -> bool:
+        """Whether the map reads the drafting distribution's shape (channels 1-2: a greedy row's peak)."""
+        return False
+
     def survival(self, signals: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
         """Cumulative survival a_k = c_1⋯c_k [n, γ], zero for positions k > available[r]."""
         c = self.conditional(signals)
@@ -207,6 +212,10 @@ class LogisticMap(SurvivalMap):
     def params(self) -> dict[str, Any]:
         return {"prior": list(self.prior), "weights": [list(w) for w in self.weights]}
 
+    @property
+    def reads_q(self) -> bool:
+        return any(w[1] != 0 or w[2] != 0 for w in self.weights)
+
     def conditional(self, signals: torch.Tensor) -> torch.Tensor:
         _check_signals(signals)
         s = _float_dtype(signals)
@@ -248,6 +257,10 @@ class HeadLogisticMap(_HeadMap):
 
     def params(self) -> dict[str, Any]:
         return {"head": [list(u) for u in self.head], "weights": [list(w) for w in self.weights]}
+
+    @property
+    def reads_q(self) -> bool:
+        return any(w[2] != 0 or w[3] != 0 for w in self.weights)
 
     def conditional(self, signals: torch.Tensor) -> torch.Tensor:
         _check_signals(signals)
@@ -320,6 +333,10 @@ class BinnedMap(SurvivalMap):
     @property
     def reads_head(self) -> bool:  # type: ignore[override]
         return self.base.reads_head
+
+    @property
+    def reads_q(self) -> bool:
+        return self.base.reads_q
 
     @property
     def length(self) -> int:
@@ -462,6 +479,11 @@ class Calibration:
     def workloads(self) -> list[str]:
         """Workload labels with maps of their own."""
         return list(self.workload_maps)
+
+    @property
+    def greedy_reads_q(self) -> bool:
+        """Whether a greedy row's map (pooled or a workload's) reads its peak, so drafters must report it."""
+        return any(self.map_for(0.0, w).reads_q for w in [None, *self.workloads])
 
     def map_for(self, temperature: float, workload: str | None = None) -> SurvivalMap:
         """The map of a row: greedy (T ≤ 0) → the 0.0 map, T > 0 → the nearest positive temperature's map,

@@ -77,6 +77,9 @@ class Drafter:
     """
 
     name: str = "drafter"
+    #: whether `propose` fills `DraftBlock.peaks` (off unless something reads them: the engine turns it on
+    #: when it records signals or the drafter's calibration reads greedy rows' peaks)
+    report_peaks: bool = False
     #: Target layer ids whose features the drafter reads; empty for drafters that don't see the target.
     feature_layers: tuple[int, ...] = ()
 

@@ -244,7 +244,7 @@ class BlockDrafter(Drafter):
         else:
             scaled, tokens, peaks = self._sample_sequential(h, base, anchors, sampling, noise)
         probs = None if all_greedy else probs_from_sampling_logits(scaled, sampling)
-        if peaks is None:  # greedy rows' sampling logits are their raw logits (T = 1, no filter)
+        if peaks is None and self.report_peaks:  # greedy rows' sampling logits are their raw logits (T = 1)
             peaks = greedy_peaks(scaled, sampling.greedy)
         conf = None
         if conf_head is not None:  # c_k reads x_{k-1}, all known now: one batched call for the block
@@ -312,7 +312,8 @@ class BlockDrafter(Drafter):
         for k in range(base.shape[0]):
             cand = vals[k] + torch.bmm(w2[idx[k]], w1[prev].unsqueeze(-1)).squeeze(-1)  # [R, K]
             if plain:
-                peaks.append(torch.exp(cand.amax(-1) - torch.logsumexp(cand, -1)))
+                if self.report_peaks:
+                    peaks.append(torch.exp(cand.amax(-1) - torch.logsumexp(cand, -1)))
                 pick = cand.argmax(-1)
             else:
                 if scale:
@@ -323,7 +324,7 @@ class BlockDrafter(Drafter):
                 base[k].fill_(float("-inf")).scatter_(-1, idx[k], cand)
             prev = idx[k].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
             tokens.append(prev)
-        return base.transpose(0, 1), torch.stack(tokens, 1), torch.stack(peaks, 1) if plain else None
+        return base.transpose(0, 1), torch.stack(tokens, 1), torch.stack(peaks, 1) if peaks else None
 
     def _markov_rows(self, w2t: torch.Tensor) -> torch.Tensor:
         """W2 [V, r] (one row per token) from the cached W2ᵀ, for gathering candidate rows."""

@@ -85,7 +85,7 @@ class DraftModelDrafter(Drafter):
             out = self.lm.forward(pending)
             logits = out.logits[torch.arange(num_rows), torch.tensor(last, device=out.logits.device)]
             q = logits_to_probs(logits.unsqueeze(1), sampling).squeeze(1)  # [R, V]
-            peak = greedy_peaks(logits.unsqueeze(1), sampling.greedy)
+            peak = greedy_peaks(logits.unsqueeze(1), sampling.greedy) if self.report_peaks else None
             if peak is not None:
                 peaks = peak if peaks is None else torch.cat([peaks, peak], 1)
             if probs is None:

@@ -242,7 +242,8 @@ class Eagle3Drafter(Drafter):
         peaks = []
         for k in range(self.gamma):
             logits = self.lm_head(self.model.norm(hidden)).float()[:, 0]  # [R, V]
-            peaks.append(greedy_peaks(logits.unsqueeze(1), sampling.greedy))
+            if self.report_peaks:
+                peaks.append(greedy_peaks(logits.unsqueeze(1), sampling.greedy))
             if all_greedy:  # one-hot q: verification needs only the tokens
                 tokens[:, k] = logits.argmax(-1)
             else:

@@ -158,6 +158,9 @@ class Engine:
         target.reset(0)
         target.max_width = None  # set per admitted batch under a KV budget (another engine may have left one)
         drafter.reset()
+        calibration = getattr(drafter, "calibration", None)  # greedy peaks cost a pass over the vocabulary:
+        drafter.report_peaks = self.config.record_signals or bool(  # only when recorded or read
+            getattr(calibration, "greedy_reads_q", False))
         self.prefill_lm = target.empty_like()  # joining requests' rows, until their prompt is in
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
