@@ -68,6 +68,48 @@ def scaled_random_qwen3(vocab: int, layers: int, hidden: int, seed: int, head_st
     return model
 
 
+def primed(transitions: torch.Tensor) -> torch.Tensor:
+    """A Markov table [3V, 3V] whose first generated token is known, so the first drafting round is controlled.
+
+    A request's first token comes from the prefill (no drafts); the first round drafts from it. Tokens
+    0..V−1 follow `transitions`; prompt token V + j (`prompt_token(j, V)`) is followed for sure by start
+    token 2V + j, which continues like token j and is never an end-of-sequence token. So prompt [V + j]
+    behaves, from its second generated token on, as the first tokens after token j."""
+    vocab = transitions.shape[0]
+    out = torch.zeros(3 * vocab, 3 * vocab, dtype=transitions.dtype)
+    out[:vocab, :vocab] = transitions
+    out[2 * vocab :, :vocab] = transitions
+    out[vocab + torch.arange(vocab), 2 * vocab + torch.arange(vocab)] = 1.0
+    return out
+
+
+def primed_table(table: torch.Tensor) -> torch.Tensor:
+    """A drafter table [V, V] widened to the primed vocabulary: start token 2V + j drafts like token j
+    (prompt tokens never anchor a round; they get row 0)."""
+    vocab = table.shape[0]
+    out = torch.zeros(3 * vocab, 3 * vocab, dtype=table.dtype)
+    out[:vocab, :vocab] = table
+    out[vocab : 2 * vocab, :vocab] = table[0]
+    out[2 * vocab :, :vocab] = table
+    return out
+
+
+def primed_vector(values: torch.Tensor) -> torch.Tensor:
+    """A per-token vector [V] (a confidence read off the previous token) widened likewise."""
+    values = torch.as_tensor(values)
+    return torch.cat([values, values.new_full(values.shape, float(values[0])), values])
+
+
+def prompt_token(j: int, vocab: int) -> int:
+    """The prompt token of a primed world whose first generated token behaves as token j."""
+    return vocab + j
+
+
+def start_token(j: int, vocab: int) -> int:
+    """The first generated token after prompt_token(j) (certain)."""
+    return 2 * vocab + j
+
+
 @torch.no_grad()
 def next_probs(target: CausalLM, context: Sequence[int], params: SamplingParams) -> torch.Tensor:
     """The target's sampling distribution [V] (float64) after `context`, by a direct forward of the HF model."""
@@ -76,7 +118,7 @@ def next_probs(target: CausalLM, context: Sequence[int], params: SamplingParams)
 
 
 def exact_pair(target: CausalLM, prompt: Sequence[int], params: SamplingParams) -> np.ndarray:
-    """Exact joint distribution [V, V] of the first two generated tokens, enumerating the first token."""
+    """Exact joint distribution [V, V] of the next two tokens after `prompt`, enumerating the first one."""
     p1 = next_probs(target, prompt, params)
     joint = torch.zeros(len(p1), len(p1), dtype=torch.float64)
     for x in torch.nonzero(p1 > 0).flatten().tolist():
@@ -84,32 +126,49 @@ def exact_pair(target: CausalLM, prompt: Sequence[int], params: SamplingParams) 
     return joint.numpy()
 
 
-END = -1  # stands for "no second token" (the first one ended the request)
+def exact_triple(target: CausalLM, prompt: Sequence[int], params: SamplingParams) -> np.ndarray:
+    """Exact joint distribution [V, V, V] of the first three generated tokens (the prefill's token and the
+    two of the first drafting round), enumerating the first two."""
+    p1 = next_probs(target, prompt, params).numpy()
+    joint = np.zeros((len(p1),) * 3)
+    for x in np.flatnonzero(p1 > 0).tolist():
+        joint[x] = p1[x] * exact_pair(target, list(prompt) + [x], params)
+    return joint
 
 
-def exact_pairs_sparse(target: CausalLM, prompt: Sequence[int], params: SamplingParams,
-                       eos: frozenset[int] = frozenset()) -> dict[tuple[int, int], float]:
-    """Exact P(first two tokens) as {(x1, x2): p} over the support (large vocabularies); (x1, END) when x1
-    is an end-of-sequence token."""
-    p1 = next_probs(target, prompt, params)
-    out = {}
-    for x in torch.nonzero(p1 > 0).flatten().tolist():
-        if x in eos:
-            out[(x, END)] = float(p1[x])
-            continue
-        p2 = next_probs(target, list(prompt) + [x], params)
-        for y in torch.nonzero(p2 > 0).flatten().tolist():
-            out[(x, y)] = float(p1[x] * p2[y])
+END = -1  # stands for "no further token" (an earlier one ended the request)
+
+
+def exact_prefixes_sparse(target: CausalLM, prompt: Sequence[int], params: SamplingParams, depth: int,
+                          eos: frozenset[int] = frozenset()) -> dict[tuple[int, ...], float]:
+    """Exact P(first `depth` generated tokens) as {(x1, .., x_depth): p} over the support (large vocabularies);
+    a sequence that reaches an end-of-sequence token early is padded with END."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(context: list[int], prefix: tuple[int, ...], mass: float) -> None:
+        if len(prefix) == depth:
+            out[prefix] = mass
+            return
+        probs = next_probs(target, context, params)
+        for x in torch.nonzero(probs > 0).flatten().tolist():
+            if x in eos:
+                out[prefix + (x,) + (END,) * (depth - len(prefix) - 1)] = mass * float(probs[x])
+            else:
+                walk(context + [x], prefix + (x,), mass * float(probs[x]))
+
+    walk(list(prompt), (), 1.0)
     return out
 
 
-def sparse_cells(token_lists: Sequence[Sequence[int]], exact: dict[tuple[int, int], float]) -> tuple[np.ndarray, np.ndarray]:
-    """(counts, probs) over exact's support plus one cell of probability 0 for pairs outside it."""
+def sparse_cells(token_lists: Sequence[Sequence[int]], exact: dict[tuple[int, ...], float]) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, probs) over exact's support plus one cell of probability 0 for sequences outside it."""
     keys = list(exact)
+    depth = len(keys[0])
     index = {k: i for i, k in enumerate(keys)}
     counts = np.zeros(len(keys) + 1)
     for t in token_lists:
-        counts[index.get((t[0], t[1] if len(t) > 1 else END), len(keys))] += 1
+        key = tuple(t[:depth]) + (END,) * (depth - len(t[:depth]))
+        counts[index.get(key, len(keys))] += 1
     return counts, np.append(np.array([exact[k] for k in keys]), 0.0)
 
 
@@ -371,11 +430,20 @@ def combined_pvalue(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:
     return 1.0 if dof == 0 else float(chi2_dist.sf(sum(s for s, _ in stats), dof))
 
 
-def pair_counts(token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
-    """[V, V] counts of the first two tokens of each list."""
+def pair_counts(token_lists: Sequence[Sequence[int]], vocab: int, skip: int = 0) -> np.ndarray:
+    """[V, V] counts of tokens skip and skip + 1 of each list (skip 1: the first drafting round's two
+    tokens, after the prefill's)."""
     out = np.zeros((vocab, vocab))
     for t in token_lists:
-        out[t[0], t[1]] += 1
+        out[t[skip], t[skip + 1]] += 1
+    return out
+
+
+def triple_counts(token_lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
+    """[V, V, V] counts of the first three tokens of each list."""
+    out = np.zeros((vocab, vocab, vocab))
+    for t in token_lists:
+        out[t[0], t[1], t[2]] += 1
     return out
 
 
@@ -389,14 +457,27 @@ def binomial_z(successes: int, trials: int, p: float) -> float:
     return (successes - trials * p) / sd
 
 
+def bernoulli_sum_z(successes: int, probs: Sequence[float]) -> float:
+    """z-score of a count of independent Bernoulli trials with success probabilities `probs` (each row's
+    exact acceptance probability, which differs between rows of different contexts)."""
+    probs = np.asarray(probs, dtype=np.float64)
+    if len(probs) == 0:
+        return 0.0
+    sd = math.sqrt(float((probs * (1 - probs)).sum()))
+    mean = float(probs.sum())
+    if sd == 0:
+        return 0.0 if successes == mean else math.inf
+    return (successes - mean) / sd
+
+
 def two_sided_z(alpha: float) -> float:
     """|z| beyond which a two-sided normal test rejects at false-alarm rate alpha."""
     return float(norm.isf(alpha / 2))
 
 
-def second_token(tokens: Sequence[int]) -> int:
-    """The second generated token, or END when the first one ended the request."""
-    return tokens[1] if len(tokens) > 1 else END
+def nth_token(tokens: Sequence[int], n: int) -> int:
+    """The n-th generated token (0-based), or END when an earlier one ended the request."""
+    return tokens[n] if len(tokens) > n else END
 
 
 def two_sample(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:

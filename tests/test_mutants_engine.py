@@ -8,6 +8,7 @@ calibrator are told, the StepInfo, stop tokens and stop strings, rows leaving th
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -140,8 +141,10 @@ def test_greedy_rounds_commit_the_accepted_prefix_and_roll_back_the_rest():
         assert streamed(steps, req) == req.output_ids
         assert [o.finished for outs in steps for o in outs if o.request is req][-1] is True
         assert req.arrival_time <= req.first_token_time <= req.finish_time
-        seq = list(req.prompt_ids)
-        for rs in req.rounds:  # drafts verified: the block, within the tokens left after the bonus token
+        first = req.rounds[0]  # the prefill's pseudo-round: no drafts, the first token
+        assert (first.draft_len, first.available, first.accepted, first.signals) == (0, 0, 0, None)
+        seq = list(req.prompt_ids) + chain(req.prompt_ids[-1], 1)
+        for rs in req.rounds[1:]:  # drafts verified: the block, within the tokens left after the bonus token
             n = min(3, req.max_tokens - (len(seq) - len(req.prompt_ids)) - 1)
             assert (rs.draft_len, rs.available, rs.accepted) == (n, n, min(good(seq), n))
             seq += chain(seq[-1], rs.accepted + 1)
@@ -182,9 +185,9 @@ def test_sampled_drafts_whose_q_is_below_p_are_always_accepted():
     reqs = [Request([s % V], SamplingParams(temperature=1.0, seed=s), max_tokens=9) for s in range(12)]
     run(engine, reqs)
     for req in reqs:
-        assert [(r.draft_len, r.accepted) for r in req.rounds] == [(3, 3), (3, 3), (0, 0)]
-        out = req.output_ids  # accepted drafts, then the sampled bonus token, each round
-        assert out[:3] == chain(req.prompt_ids[-1], 3) and out[4:7] == chain(out[3], 3) and len(out) == 9
+        assert [(r.draft_len, r.accepted) for r in req.rounds] == [(0, 0), (3, 3), (3, 3)]  # prefill, 2 rounds
+        out = req.output_ids  # the prefill's token, then accepted drafts and the sampled bonus token, each round
+        assert out[1:4] == chain(out[0], 3) and out[5:8] == chain(out[4], 3) and len(out) == 9
 
 
 def test_target_features_reach_the_drafter():
@@ -202,19 +205,20 @@ def test_target_features_reach_the_drafter():
 
 
 def test_a_stop_token_among_the_accepted_drafts_ends_the_round_there():
-    engine, infos = make_engine(ScriptedDrafter(gamma=3), eos=frozenset({3}))
-    cut = Request([0], max_tokens=10, stop_token_ids=frozenset({2}))  # draft 2 of round 1
-    bonus = Request([0], max_tokens=10, stop_token_ids=frozenset({4}), ignore_eos=True)  # round 1's bonus token
-    eos = Request([0], max_tokens=10)  # the target's EOS (3): draft 3
-    ignore = Request([0], max_tokens=6, ignore_eos=True)  # decodes past the EOS
+    # the prefill commits 1; round 1 anchors on it, drafts 2 3 4 (all right) and adds the bonus token 5
+    engine, infos = make_engine(ScriptedDrafter(gamma=3), eos=frozenset({4}))
+    cut = Request([0], max_tokens=10, stop_token_ids=frozenset({3}))  # draft 2 of round 1
+    bonus = Request([0], max_tokens=10, stop_token_ids=frozenset({5}), ignore_eos=True)  # round 1's bonus token
+    eos = Request([0], max_tokens=10)  # the target's EOS (4): draft 3 of round 1
+    ignore = Request([0], max_tokens=7, ignore_eos=True)  # decodes past the EOS
     steps = run(engine, [cut, bonus, eos, ignore])
-    assert (cut.output_ids, cut.finish_reason, cut.rounds[0].accepted) == ([1, 2], "stop", 2)
-    assert (bonus.output_ids, bonus.finish_reason, bonus.rounds[0].accepted) == ([1, 2, 3, 4], "stop", 3)
-    assert (eos.output_ids, eos.finish_reason, eos.rounds[0].accepted) == ([1, 2, 3], "stop", 3)
-    assert (ignore.output_ids, ignore.finish_reason) == (chain(0, 6), "length")
-    assert [(r.draft_len, r.accepted) for r in ignore.rounds] == [(3, 3), (1, 1)]
+    assert (cut.output_ids, cut.finish_reason, cut.rounds[1].accepted) == ([1, 2, 3], "stop", 2)
+    assert (bonus.output_ids, bonus.finish_reason, bonus.rounds[1].accepted) == ([1, 2, 3, 4, 5], "stop", 3)
+    assert (eos.output_ids, eos.finish_reason, eos.rounds[1].accepted) == ([1, 2, 3, 4], "stop", 3)
+    assert (ignore.output_ids, ignore.finish_reason) == (chain(0, 7), "length")
+    assert [(r.draft_len, r.accepted) for r in ignore.rounds] == [(0, 0), (3, 3), (1, 1)]
     assert infos[0].accepted == [2, 3, 3, 3]
-    assert drafter_committed(engine)[0] == [[1, 2], [1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4]]
+    assert drafter_committed(engine)[0] == [[2, 3], [2, 3, 4, 5], [2, 3, 4], [2, 3, 4, 5]]
     for req in (cut, bonus, eos, ignore):
         assert streamed(steps, req) == req.output_ids
 
@@ -248,15 +252,35 @@ def test_without_a_tokenizer_there_is_no_text_and_the_first_token_time_stays():
     while engine.has_work:
         outs += engine.step()
     assert req.first_token_time == first <= req.finish_time  # the first commit's time, never moved later
-    assert [o.text for o in outs] == ["", "", ""] and req.text == "" and req.output_ids == [1, 2, 3]
+    # one output per step: the prefill's token leaves with round 1's
+    assert [o.text for o in outs] == ["", ""] and req.text == "" and req.output_ids == [1, 2, 3]
+
+
+def test_the_first_token_time_is_when_it_leaves_the_engine_with_round_one():
+    """The prefill's token is committed before the step's round but leaves the engine with it (one merged
+    output), so TTFT is stamped at the round's commit, not at the prefill."""
+    engine, _ = make_engine(ScriptedDrafter(gamma=2))
+    req = Request([0], max_tokens=10)
+    engine.add(req)
+    round_started = []
+    inner = engine._decode_round
+
+    def timed(outputs):
+        round_started.append(time.perf_counter())
+        return inner(outputs)
+
+    engine._decode_round = timed
+    outs = engine.step()
+    assert [(o.request is req, o.token_ids) for o in outs] == [(True, [1, 2, 3, 4])]
+    assert req.first_token_time >= round_started[0]
 
 
 def test_stop_string_completed_by_the_rounds_last_token_keeps_every_token():
     engine, _ = make_engine(ScriptedDrafter(gamma=2), tokenizer=LetterTokenizer())
-    req = Request([0], max_tokens=10, stop=["d"])  # round 1 commits b c d: the stop is its last token
+    req = Request([0], max_tokens=10, stop=["e"])  # the prefill commits b, round 1 c d e: the stop is its last token
     steps = run(engine, [req])
-    assert (req.output_ids, req.text, req.finish_reason) == ([1, 2, 3], "bc", "stop")
-    assert streamed(steps, req) == [1, 2, 3]
+    assert (req.output_ids, req.text, req.finish_reason) == ([1, 2, 3, 4], "bcd", "stop")
+    assert streamed(steps, req) == [1, 2, 3, 4]
 
 
 def test_text_held_back_for_a_stop_string_is_released_at_the_length_limit():
@@ -265,28 +289,31 @@ def test_text_held_back_for_a_stop_string_is_released_at_the_length_limit():
     steps = run(engine, [req])
     deltas = [o.text for outs in steps for o in outs]
     assert deltas[-1].endswith("f") and "".join(deltas) == req.text == "bcdef" and req.finish_reason == "length"
-    assert deltas[0] == "bc"  # round 1 decoded "bcd": one letter is held back while a stop string could follow
+    # one letter is held back while a stop string could follow: step 1 (the prefill's "b", round 1's "cde")
+    # streams "bcd", step 2 the rest
+    assert deltas == ["bcd", "ef"]
 
 
 def test_stop_strings_cut_tokens_and_text_and_text_streams():
     engine, _ = make_engine(ScriptedDrafter(gamma=2), tokenizer=LetterTokenizer())
-    stop = Request([0], max_tokens=10, stop=["de"])  # text b c d e ...: "de" completes at token 4
+    stop = Request([0], max_tokens=10, stop=["ef"])  # text b | c d e | f g ...: "ef" completes at token 5, in round 2
     plain = Request([0], max_tokens=5)
     steps = run(engine, [stop, plain])
-    assert (stop.output_ids, stop.text, stop.finish_reason) == ([1, 2, 3, 4], "bc", "stop")
-    assert streamed(steps, stop) == [1, 2, 3, 4]
-    assert "".join(o.text for outs in steps for o in outs if o.request is stop) == "bc"
+    assert (stop.output_ids, stop.text, stop.finish_reason) == ([1, 2, 3, 4, 5], "bcd", "stop")
+    assert streamed(steps, stop) == [1, 2, 3, 4, 5]
+    assert "".join(o.text for outs in steps for o in outs if o.request is stop) == "bcd"
     assert (plain.output_ids, plain.text, plain.finish_reason) == ([1, 2, 3, 4, 5], "bcdef", "length")
     assert "".join(o.text for outs in steps for o in outs if o.request is plain) == "bcdef"
 
 
 def test_stop_string_completed_by_an_early_token_of_a_long_round():
-    """Round 1 commits b c d (three tokens); "c" completes the stop string at token 2: one token is dropped."""
+    """The prefill commits b; round 1 commits c d e (three tokens); "d" completes the stop string at the
+    round's token 2: one token is dropped."""
     engine, _ = make_engine(ScriptedDrafter(gamma=2), tokenizer=LetterTokenizer())
-    req = Request([0], max_tokens=10, stop=["c"])
+    req = Request([0], max_tokens=10, stop=["d"])
     steps = run(engine, [req])
-    assert (req.output_ids, req.text, req.finish_reason) == ([1, 2], "b", "stop")
-    assert [o.token_ids for outs in steps for o in outs] == [[1, 2]]
+    assert (req.output_ids, req.text, req.finish_reason) == ([1, 2, 3], "bc", "stop")
+    assert [o.token_ids for outs in steps for o in outs] == [[1, 2, 3]]  # one output: the prefill's and round 1's
     assert [o.finished for outs in steps for o in outs] == [True]
 
 
@@ -298,7 +325,8 @@ def test_text_is_released_while_decoding():
     while engine.has_work:
         for o in engine.step():
             texts.append((o.text, req.text, o.finished))
-    assert texts == [("b", "b", False), ("c", "bc", False), ("d", "bcd", True)]
+    # step 1 streams the prefill's "b" and round 1's "c" in one output; step 2 "d"
+    assert texts == [("bc", "bc", False), ("d", "bcd", True)]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -308,8 +336,9 @@ def test_text_is_released_while_decoding():
 def test_finished_and_cancelled_rows_leave_target_and_drafter_in_order():
     drafter = ScriptedDrafter(gamma=1, good=lambda seq: 0)  # one token per round
     engine, _ = make_engine(drafter)
-    reqs = [Request([0], max_tokens=4, request_id="a"), Request([1], max_tokens=2, request_id="b"),
-            Request([2], max_tokens=6, request_id="c"), Request([3], max_tokens=6, request_id="d")]
+    # step k commits a request's first token (its prefill) and one more: k + 1 tokens after step k
+    reqs = [Request([0], max_tokens=5, request_id="a"), Request([1], max_tokens=3, request_id="b"),
+            Request([2], max_tokens=7, request_id="c"), Request([3], max_tokens=7, request_id="d")]
     for req in reqs:
         engine.add(req)
     outs = [engine.step() for _ in range(2)]  # b finishes in step 2
@@ -319,11 +348,11 @@ def test_finished_and_cancelled_rows_leave_target_and_drafter_in_order():
     assert drafter.selects[-1] == [0, 2]
     assert reqs[2].finish_reason == "cancelled" and reqs[2].state == "finished"
     assert [(o.request.request_id, o.token_ids, o.finished) for o in outs[-1]] == [
-        ("c", [], True), ("a", [3], False), ("d", [6], False)]
+        ("c", [], True), ("a", [4], False), ("d", [7], False)]
     while engine.has_work:
         outs.append(engine.step())
     assert drafter.selects[-2:] == [[1], []]  # a leaves after step 4, d after step 6
-    assert [r.output_ids for r in reqs] == [chain(0, 4), chain(1, 2), chain(2, 2), chain(3, 6)]
+    assert [r.output_ids for r in reqs] == [chain(0, 5), chain(1, 3), chain(2, 3), chain(3, 7)]
     assert engine.reserved == 0
 
 
@@ -353,10 +382,10 @@ def test_step_info_and_cost_model_observations(layout):
     run(engine, reqs)
     assert len(infos) == len(cost.seen) > 0
     for i, (info, seen) in enumerate(zip(infos, cost.seen)):
-        rows = [r for r in reqs if len(r.rounds) > i]
+        rows = [r for r in reqs if len(r.rounds) > i + 1]  # rounds[0]: the prefill's token, no StepInfo
         assert info.batch == len(rows)
-        assert info.lengths == [r.rounds[i].draft_len for r in rows]
-        assert info.accepted == [r.rounds[i].accepted for r in rows]
+        assert info.lengths == [r.rounds[i + 1].draft_len for r in rows]
+        assert info.accepted == [r.rounds[i + 1].accepted for r in rows]
         assert info.tokens == step_tokens(np.array(info.lengths), layout)
         if info.drafted:  # Algorithm 1 planned the round
             assert info.capacity == sum(info.lengths) and info.expected_throughput > 0
@@ -370,7 +399,9 @@ def test_step_info_and_cost_model_observations(layout):
         assert info.prefill_seconds <= info.step_seconds
         assert info.draft_seconds > 0 and info.schedule_seconds > 0 and info.target_seconds > 0  # all measured
     assert infos[0].drafted and infos[0].lengths == [3, 1]
-    assert infos[0].prefill_tokens == 0  # one-token prompts: nothing to prefill before the anchor
+    assert all((r.rounds[0].draft_len, r.rounds[0].accepted) == (0, 0) for r in reqs)
+    assert infos[0].prefill_tokens == 2  # the prefill feeds both one-token prompts whole (for their first tokens)
+    assert all(info.prefill_tokens == 0 for info in infos[1:])
 
 
 def test_no_cost_observation_without_online_cost():
@@ -393,11 +424,11 @@ def test_fixed_policy_budget_counts_tokens_in_the_cost_models_layout():
 def test_no_drafting_call_when_no_round_drafts():
     drafter = ScriptedDrafter(gamma=3)
     engine, infos = make_engine(drafter, "none")
-    run(engine, [Request([0], max_tokens=3)])
+    run(engine, [Request([0], max_tokens=4)])  # the prefill's token, then 3 rounds (2 with drafting budget)
     assert drafter.calls == 0 and [i.drafted for i in infos] == [False] * 3
     drafter = ScriptedDrafter(gamma=3)
     engine, infos = make_engine(drafter, "dspark", recording_cost("ragged"), record_signals=True)
-    req = Request([0], max_tokens=3, max_draft=0)  # speculation off: nothing to draft
+    req = Request([0], max_tokens=4, max_draft=0)  # speculation off: nothing to draft
     run(engine, [req])
     assert drafter.calls == 0 and all(not i.drafted for i in infos)
     assert all(i.expected_throughput is None and i.capacity is None for i in infos)
@@ -426,9 +457,10 @@ def test_online_calibrator_gets_survival_questions_and_every_verified_prefix():
     online = FakeOnline(a)
     drafter = ScriptedDrafter(gamma=3, good=lambda seq: 1, with_probs=True, conf=[0.9, 0.8, 0.7])
     engine, infos = make_engine(drafter, "threshold:0.5", online=online)
-    reqs = [Request([0], max_tokens=4, max_draft=0, workload="w0"),
-            Request([2], SamplingParams(temperature=0.8, seed=5), max_tokens=4, max_draft=1, workload="w1"),
-            Request([5], max_tokens=4, workload="w2")]
+    # max_tokens 5: after the prefill's token, round 1 may draft 3
+    reqs = [Request([0], max_tokens=5, max_draft=0, workload="w0"),
+            Request([2], SamplingParams(temperature=0.8, seed=5), max_tokens=5, max_draft=1, workload="w1"),
+            Request([5], max_tokens=5, workload="w2")]
     run(engine, reqs)
     first = online.asked[0]
     assert first == ((3, 3, 3), [0, 1, 3], [0.0, 0.8, 0.0], ["w0", "w1", "w2"])
@@ -438,7 +470,7 @@ def test_online_calibrator_gets_survival_questions_and_every_verified_prefix():
                             torch.tensor([True, False, True]))
     observed = [s for s in online.seen[:2]]
     assert [(n, acc, g, w, i, t) for _, n, acc, g, w, i, t in observed] == [
-        (1, reqs[1].rounds[0].accepted, False, "w1", reqs[1].seq, 0.8), (2, 1, True, "w2", reqs[2].seq, 0.0)]
+        (1, reqs[1].rounds[1].accepted, False, "w1", reqs[1].seq, 0.8), (2, 1, True, "w2", reqs[2].seq, 0.0)]
     torch.testing.assert_close(observed[0][0], signals[1, :1], equal_nan=True)
     torch.testing.assert_close(observed[1][0], signals[2, :2], equal_nan=True)
     assert torch.isnan(observed[1][0][:, 1:]).all()  # a greedy row's q signals do not exist
@@ -448,14 +480,15 @@ def test_online_calibrator_gets_survival_questions_and_every_verified_prefix():
 def test_recorded_signals_are_the_blocks_signals_within_the_budget():
     drafter = ScriptedDrafter(gamma=3, good=lambda seq: 3, with_probs=True, conf=[0.9, 0.8, 0.7])
     engine, infos = make_engine(drafter, "fixed", record_signals=True)
-    reqs = [Request([0], max_tokens=3), Request([1], SamplingParams(temperature=1.0, seed=2), max_tokens=9)]
+    reqs = [Request([0], max_tokens=4), Request([1], SamplingParams(temperature=1.0, seed=2), max_tokens=9)]
     run(engine, reqs)
     block = drafter.blocks[0]
     signals = block_signals(block, torch.tensor([True, False]))
-    assert len(reqs[0].rounds[0].signals) == 2  # max_tokens 3: two drafts available
-    torch.testing.assert_close(torch.tensor(reqs[0].rounds[0].signals), signals[0, :2], equal_nan=True)
-    torch.testing.assert_close(torch.tensor(reqs[1].rounds[0].signals), signals[1, :3], equal_nan=True)
-    assert math.isnan(reqs[0].rounds[0].signals[0][1]) and not math.isnan(reqs[1].rounds[0].signals[0][1])
+    assert all(r.rounds[0].signals is None for r in reqs)  # the prefill's token: no block, no signals
+    assert len(reqs[0].rounds[1].signals) == 2  # max_tokens 4, one token from the prefill: two drafts available
+    torch.testing.assert_close(torch.tensor(reqs[0].rounds[1].signals), signals[0, :2], equal_nan=True)
+    torch.testing.assert_close(torch.tensor(reqs[1].rounds[1].signals), signals[1, :3], equal_nan=True)
+    assert math.isnan(reqs[0].rounds[1].signals[0][1]) and not math.isnan(reqs[1].rounds[1].signals[0][1])
     engine, _ = make_engine(ScriptedDrafter(gamma=3, conf=[0.9, 0.8, 0.7]), "fixed")
     req = Request([0], max_tokens=5)
     run(engine, [req])
@@ -516,8 +549,8 @@ def test_a_row_whose_drafting_raises_fails_alone_and_the_round_goes_on_without_d
     bad, good = Request([7, 7], max_tokens=4), Request([1], max_tokens=4)
     for req in (bad, good):
         engine.add(req)
-    first = engine.step()
-    assert [(o.request is bad, o.token_ids, o.finished) for o in first] == [(True, [], True), (False, [2], False)]
+    first = engine.step()  # the prefill commits each row's first token, then bad's drafting raises
+    assert [(o.request is bad, o.token_ids, o.finished) for o in first] == [(True, [0], True), (False, [2, 3], False)]
     assert bad.finish_reason == "error" and "poisoned row" in bad.error
     assert infos[0].drafted is False and infos[0].batch == 1 and infos[0].lengths == [0]
     assert cost.seen == []  # a faulted round is no measurement of a plain step
@@ -528,7 +561,8 @@ def test_a_row_whose_drafting_raises_fails_alone_and_the_round_goes_on_without_d
     alone = Request([3], max_tokens=4)
     engine.add(alone)
     outs = engine.step()
-    assert [(o.request is alone, o.finished) for o in outs] == [(True, True)] and alone.finish_reason == "error"
+    assert [(o.request is alone, o.token_ids, o.finished) for o in outs] == [(True, [4], True)]
+    assert alone.finish_reason == "error"
     assert infos == [] and not engine.has_work
 
 
@@ -564,13 +598,14 @@ def test_rounds_make_their_tensors_on_the_targets_device_not_torchs_default():
     """Under another default device ("meta", a CPU stand-in for `torch.set_default_device("cuda")` beside a
     CPU target, or for the default CPU beside a GPU target) drafted and plain rounds commit the same tokens: the
     empty block of a plain round and the accepted counts the target cache keeps are made on the target's device."""
-    drafter = OnItsDevice(ScriptedDrafter(gamma=2, good=lambda seq: 2 if len(seq) == 1 else 0))
+    drafter = OnItsDevice(ScriptedDrafter(gamma=2, good=lambda seq: 2 if len(seq) == 2 else 0))
     engine = Engine(OnItsDevice(chain_target()), drafter, "fixed", config=EngineConfig(detokenize=False),
                     eos_token_ids=frozenset())
-    req = engine.add(Request([0], SamplingParams(seed=1), max_tokens=4))
+    req = engine.add(Request([0], SamplingParams(seed=1), max_tokens=5))
     with torch.device("meta"):
         while engine.has_work:
             engine.step()
-    assert (req.output_ids, req.finish_reason) == (chain(0, 4), "length")
-    # round 1 verifies two drafts and accepts both; round 2 has no draft budget left: a plain round
-    assert [(rs.draft_len, rs.accepted) for rs in req.rounds] == [(2, 2), (0, 0)]
+    assert (req.output_ids, req.finish_reason) == (chain(0, 5), "length")
+    # the prefill's pass commits token 1 (a verify without drafts); round 1 verifies two drafts and accepts both;
+    # round 2 has no draft budget left: a plain round
+    assert [(rs.draft_len, rs.accepted) for rs in req.rounds] == [(0, 0), (2, 2), (0, 0)]

@@ -337,6 +337,7 @@ def test_metrics_count_what_was_served(server, client):
     spec = resp.model_extra["speculation"]  # the only request in flight: the counters moved by its stats
     assert delta("dspark:generation_tokens_total") == resp.usage.completion_tokens
     assert delta("dspark:prompt_tokens_total") == resp.usage.prompt_tokens
+    # rows of decoding steps and the prefill's pass, which committed the first token: τ reads the same both ways
     assert delta("dspark:decode_rounds_total") == spec["rounds"]
     assert delta("dspark:spec_decode_num_draft_tokens_total") == spec["draft_tokens"]
     assert delta("dspark:spec_decode_num_accepted_tokens_total") == spec["accepted_tokens"]
@@ -480,7 +481,9 @@ def test_dspark_serve_exits_cleanly_on_sigterm(tmp_path):
         assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
         assert "Waiting for connections to close" in (tmp_path / "serve.log").read_text()  # it drained
         steps = read_step_log(tmp_path / "steps.jsonl")  # --step-log: every step of the request, flushed at exit
-        assert sum(s["batch"] + s["accepted"] for s in steps) == 200 and all(s["batch"] == 1 for s in steps)
+        # the prefill commits the first token; every step's round commits a token per row and its accepted drafts
+        assert 1 + sum(s["batch"] + s["accepted"] for s in steps) == 200 and all(s["batch"] == 1 for s in steps)
+        assert sum(s["prefill_tokens"] for s in steps) == json.loads(events[-2])["usage"]["prompt_tokens"]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -38,8 +38,10 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
         assert rec["seconds"] <= rec["step_seconds"] + 1e-6
         assert rec["predicted_seconds"] is not None and rec["predicted_seconds"] > 0
         last_end = rec["started"] + rec["step_seconds"]
-    # every committed token is in the log: rows + accepted drafts per step
-    assert sum(r["batch"] + r["accepted"] for r in records) >= 3 * 12
+    # every committed token is in the log: each request's first token from its prefill (which fed the whole
+    # prompt), then rows + accepted drafts per step
+    assert sum(r["prefill_tokens"] for r in records) == sum(len(p) for p in prompts)
+    assert len(prompts) + sum(r["batch"] + r["accepted"] for r in records) >= 3 * 12
 
 
 def test_the_prediction_is_the_cost_model_before_it_learns_the_step(bundled_target, tmp_path):

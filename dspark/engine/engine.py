@@ -5,7 +5,8 @@ Requests arrive (`add`) and leave (finish, `cancel`) at any time. Each `step()`:
 1. drop cancelled requests (their rows and memory go now);
 2. admit waiting requests while running rows, the per-step token budget and the KV budget allow;
 3. prefill a chunk of the joining requests' prompts in their own cache (while others are running, at most
-   `prefill_chunk` tokens, so a long prompt never stalls them); requests whose prompt is in join the batch;
+   `prefill_chunk` tokens, so a long prompt never stalls them); requests whose prompt is in commit their
+   first token, sampled from the prefill's last logits, and join the batch with it as their anchor;
 4. one decoding round for every running request: one batched drafting call → calibrated survival a[r, k]
    → the verification scheduler's ℓ_r → one target pass over the anchors and ℓ_r drafts → batched
    verification → per-request commit and rollback → stop conditions → stream the committed tokens.
@@ -81,6 +82,21 @@ class StepInfo:
 
 
 StepCallback = Callable[[StepInfo], None]
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request per step, in order of first appearance: a joining request commits its prefill's
+    token and then its first round's in the same step, which leave the engine together."""
+    merged: dict[int, RequestOutput] = {}
+    for out in outputs:
+        seq = out.request.seq
+        if seq not in merged:
+            merged[seq] = out
+        else:
+            prev = merged[seq]
+            merged[seq] = RequestOutput(out.request, prev.token_ids + out.token_ids, prev.text + out.text,
+                                        prev.finished or out.finished)
+    return list(merged.values())
 
 
 class _RoundInputs(NamedTuple):
@@ -173,6 +189,7 @@ class Engine:
         self._seqs: dict[int, list[int]] = {}
         self.reserved = 0  # KV tokens reserved by admitted requests
         self.steps = 0
+        self._fresh: set[int] = set()  # requests whose first token was committed in this step
         self.request_errors = 0  # requests finished with "error" by a fault in their own drafting
         self.nonfinite_drafts = 0  # row rounds whose drafts were dropped for NaN / inf
         self.draft_timeouts = 0  # drafting calls slower than config.draft_timeout
@@ -236,10 +253,11 @@ class Engine:
         """Run one engine step; return what each request committed in it (finished ones included)."""
         start = time.perf_counter()
         outputs: list[RequestOutput] = []
+        self._fresh.clear()
         self._drop_cancelled(outputs)
         self._admit()
         prefill_start = time.perf_counter()
-        prefill_tokens = self._prefill()
+        prefill_tokens = self._prefill(outputs)
         prefill_seconds = time.perf_counter() - prefill_start
         info = self._decode_round(outputs) if self.running else None
         if info is not None:
@@ -248,7 +266,7 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(info)
         self.steps += 1
-        return outputs
+        return merge_outputs(outputs)
 
     def _reservation(self, request: Request) -> int:
         return len(request.prompt_ids) + request.max_tokens + self.gamma + 1
@@ -305,8 +323,11 @@ class Engine:
             self.prefill_lm.add_rows(admitted)
             self._limit_width()
 
-    def _prefill(self) -> int:
-        """Prefill one chunk (every prompt token but the last: that one is the first round's anchor)."""
+    def _prefill(self, outputs: list[RequestOutput]) -> int:
+        """Prefill one chunk of the joining prompts. A prompt whose last token is in gives the request its first
+        token, sampled from the prefill's last logits as a verify pass without drafts samples (the request's own
+        sampling and generator), committed and streamed at once; that token is the first round's anchor, so
+        every round drafts from an answer token, as the drafters were trained to."""
         if not self.prefilling:
             return 0
         room = None if not self.running else self.config.prefill_chunk
@@ -316,7 +337,7 @@ class Engine:
         cap = None if limit is None else limit - max(req.prefilled for req in self.prefilling)
         chunks = []
         for req in self.prefilling:
-            todo = len(req.prompt_ids) - 1 - req.prefilled
+            todo = len(req.prompt_ids) - req.prefilled
             n = todo if room is None else min(todo, room)
             if cap is not None:
                 n = min(n, cap)
@@ -324,30 +345,47 @@ class Engine:
                 room -= n
             chunks.append(req.prompt_ids[req.prefilled : req.prefilled + n])
         fed = sum(len(c) for c in chunks)
-        if fed:
-            out = self.prefill_lm.forward(chunks, features=self.want_features)
-            for r, (req, chunk) in enumerate(zip(self.prefilling, chunks)):
-                if self.want_features and chunk:
-                    self._features[req.seq].append(out.features[r, : len(chunk)])
-                req.prefilled += len(chunk)
-        done = [r for r, req in enumerate(self.prefilling) if req.prefilled == len(req.prompt_ids) - 1]
+        if not fed:
+            return 0
+        out = self.prefill_lm.forward(chunks, features=self.want_features)
+        for r, (req, chunk) in enumerate(zip(self.prefilling, chunks)):
+            if self.want_features and chunk:
+                self._features[req.seq].append(out.features[r, : len(chunk)])
+            req.prefilled += len(chunk)
+        done = [r for r, req in enumerate(self.prefilling) if chunks[r] and req.prefilled == len(req.prompt_ids)]
         if done:
-            joining = [self.prefilling[r] for r in done]
-            self.target.extend(self.prefill_lm.take(done))
-            self.drafter.join([req.prompt_ids for req in joining], self._join_features(joining))
-            done_set = set(done)
-            self.prefilling = [req for r, req in enumerate(self.prefilling) if r not in done_set]
-            for req in joining:
-                req.state = "running"
-                self._features.pop(req.seq, None)
-            self.running.extend(joining)
+            self._join(done, out.logits, [len(chunks[r]) - 1 for r in done], outputs)
         return fed
+
+    def _join(self, done: list[int], logits: torch.Tensor, last: list[int], outputs: list[RequestOutput]) -> None:
+        """Move prefilled rows into the batch with their first token (logits[r, last[r]] of prefilling row r)."""
+        joining = [self.prefilling[r] for r in done]
+        pick = torch.tensor(done, device=logits.device)
+        first_logits = logits[pick, torch.tensor(last, device=logits.device)].unsqueeze(1)  # [J, 1, V]
+        params = [req.sampling for req in joining]
+        nothing = torch.zeros(len(joining), 0, dtype=torch.long, device=logits.device)
+        first = verify(first_logits, nothing, torch.zeros(len(joining), dtype=torch.long, device=logits.device), None,
+                       BatchSampling.from_params(params, logits.device), [self._gens[req.seq] for req in joining])
+        self.target.extend(self.prefill_lm.take(done))
+        now = time.perf_counter()
+        for req, tokens in zip(joining, first.tokens):
+            req.rounds.append(RoundStats(0, 0, 0, None))  # the prefill pass committed one token
+            self._commit(req, tokens, now, outputs)
+        self.drafter.join([self._seqs[req.seq] for req in joining], self._join_features(joining))
+        done_set = set(done)
+        self.prefilling = [req for r, req in enumerate(self.prefilling) if r not in done_set]
+        for req in joining:
+            req.state = "running"
+            self._features.pop(req.seq, None)
+        start = len(self.running)
+        self.running.extend(joining)
+        self._leave([start + j for j, req in enumerate(joining) if req.finished], None, outputs)
 
     def _join_features(self, joining: list[Request]) -> torch.Tensor | None:
         if not self.want_features:
             return None
         parts = [torch.cat(self._features[req.seq]) if self._features[req.seq] else None for req in joining]
-        width = max(1, max(len(req.prompt_ids) - 1 for req in joining))
+        width = max(len(req.prompt_ids) for req in joining)
         dim = next((p.shape[-1] for p in parts if p is not None), None)
         if dim is None:  # only one-token prompts: no features at all
             dim = self.drafter_feature_dim()
@@ -536,8 +574,10 @@ class Engine:
                 break
         req.output_ids.extend(new)
         self._seqs[req.seq].extend(new)
-        if req.first_token_time is None and new:
+        if new and (req.first_token_time is None or req.seq in self._fresh):
+            # the prefill's token leaves the engine with the step's round: it is delivered at the step's last commit
             req.first_token_time = now
+            self._fresh.add(req.seq)
         text = ""
         stream = self._streams.get(req.seq)
         if stream is not None:

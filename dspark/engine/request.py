@@ -18,6 +18,8 @@ class RoundStats:
 
     available: drafts the block offered (after the token budget) before the scheduler cut it to
     draft_len. signals: the block's survival signals [available][3] when the engine records them.
+    A request's first round is its prefill (0 drafts): the target pass that committed its first token, so
+    τ = tokens / rounds stays tokens per target pass.
     """
 
     draft_len: int

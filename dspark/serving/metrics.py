@@ -8,7 +8,8 @@ runner's. Queue gauges and the calibration ECE are read when /metrics is scraped
 - verified_tokens_per_step: draft tokens the target verified in one step (all rows).
 - prompt_tokens_total counts a request's prompt when it commits its first token.
 - spec_decode_num_drafts_total counts rows that verified at least one draft in a step; decode_rounds_total
-  counts every row of every decoding step, so τ = generation_tokens_total / decode_rounds_total.
+  counts every row of every decoding step and every request's prefill (the target pass that committed its
+  first token), so τ = generation_tokens_total / decode_rounds_total, as a response's speculation.rounds.
 - engine_request_errors_total, engine_nonfinite_drafts_total, engine_draft_timeouts_total: the engine's fault
   counters (requests failed alone by their drafting, row rounds whose NaN / inf drafts were dropped, drafting
   calls over draft_timeout), read from the engine at scrape time.
@@ -91,8 +92,8 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.step_time = Histogram("dspark:step_time_seconds", "Engine step (prefill, drafting, verification).",
                                    buckets=STEP_BUCKETS, registry=r)
-        self.rounds = Counter("dspark:decode_rounds", "Request rounds (rows of every decoding step, drafted or not).",
-                              registry=r)
+        self.rounds = Counter("dspark:decode_rounds", "Request rounds (rows of every decoding step, drafted or not, "
+                              "and prefills that committed a first token).", registry=r)
         self.num_drafts = Counter("dspark:spec_decode_num_drafts", "Rows that verified at least one draft.",
                                   registry=r)
         self.draft_tokens = Counter("dspark:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
@@ -168,6 +169,7 @@ class ServerMetrics:
                 last = self._last_commit.get(req.seq)
                 if last is None:
                     self.prompt_tokens.inc(len(req.prompt_ids))
+                    self.rounds.inc()  # the prefill pass that committed its first token
                     if req.first_token_time is not None:
                         self.ttft.observe(req.first_token_time - req.arrival_time)
                 else:
