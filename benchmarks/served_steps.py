@@ -59,7 +59,12 @@ def window_figures(steps: list[dict], t0: float, t1: float, table) -> dict:
         "gap_ms": 1e3 * mean([p - s["step_seconds"] for s, p in zip(body, periods)]),
         "draft_ms": 1e3 * mean([s["draft_seconds"] for s in body]),
         "target_ms": 1e3 * mean([s["target_seconds"] for s in body]),
+        "join_ms": 1e3 * mean([s.get("join_seconds", 0.0) for s in body]),
+        "kv_slots": mean([s.get("kv_slots", 0) for s in body]),
+        "kv_live_per_row": mean([s.get("kv_live", 0) / s["batch"] for s in body]),
     }
+    if all("kv_live" in s for s in body):  # slots the attention spans per live token (1: no holes, no uneven rows)
+        out["kv_fill"] = sum(s["kv_live"] for s in body) / sum(s["kv_slots"] * s["batch"] for s in body)
     for kind, flag in (("drafted", True), ("plain", False)):
         rows = [s for s in body if s["drafted"] == flag]
         if not rows:
@@ -67,6 +72,7 @@ def window_figures(steps: list[dict], t0: float, t1: float, table) -> dict:
         tab = [table.cost(s["batch"], s["tokens"]) if flag else table.plain_cost(s["batch"]) for s in rows]
         out[f"{kind}_steps"] = len(rows)
         out[f"{kind}_round_ms"] = 1e3 * mean([s["seconds"] for s in rows])
+        out[f"{kind}_target_ms"] = 1e3 * mean([s["target_seconds"] for s in rows])
         out[f"{kind}_table_ms"] = 1e3 * mean(tab)
         out[f"{kind}_over_table"] = mean([s["seconds"] for s in rows]) / mean(tab)
         pred = [s["predicted_seconds"] for s in rows if s["predicted_seconds"] is not None]
@@ -100,6 +106,7 @@ def run(args: argparse.Namespace) -> dict:
             t0 = max(c[0]["first"] for c in clients)
             t1 = min(c[-1]["end"] for c in clients)
             cell = {"arm": arm, "concurrency": conc, "temperature": args.temperature, "window_s": t1 - t0,
+                    "window": [t0, t1], "step_log": str(steps_path),
                     **window_figures(read_step_log(steps_path), t0, t1, table)}
             results["cells"].append(cell)
             print(json.dumps(cell), flush=True)
@@ -112,14 +119,46 @@ def report(results: dict) -> str:
             ("batch", "rows", "{:5.1f}"), ("verified", "verif", "{:5.1f}"), ("accepted", "acc", "{:5.1f}"),
             ("period_ms", "period", "{:6.1f}"), ("round_ms", "round", "{:6.1f}"), ("prefill_ms", "prefill", "{:6.1f}"),
             ("rest_ms", "rest", "{:5.1f}"), ("gap_ms", "gap", "{:5.1f}"),
-            ("drafted_over_table", "d/table", "{:6.2f}"), ("plain_over_table", "p/table", "{:6.2f}")]
+            ("drafted_over_table", "d/table", "{:6.2f}"), ("plain_over_table", "p/table", "{:6.2f}"),
+            ("join_ms", "join", "{:5.2f}"), ("kv_slots", "slots", "{:6.0f}"), ("kv_live_per_row", "live/row", "{:6.0f}"),
+            ("kv_fill", "fill", "{:5.2f}")]
     lines = [f"{results['command']}", "times in ms per step; d/table, p/table: measured round / profile table "
              "(drafted, plain rounds)",
              f"{'arm':>10} {'c':>3} " + " ".join(f"{h:>7}" for _, h, _ in cols)]
     for c in results["cells"]:
         vals = [fmt.format(c[k]) if isinstance(c.get(k), (int, float)) else "-" for k, _, fmt in cols]
         lines.append(f"{c['arm']:>10} {c['concurrency']:>3} " + " ".join(f"{v:>7}" for v in vals))
+    lines += span_fit(results)
     return "\n".join(lines)
+
+
+def span_fit(results: dict) -> list[str]:
+    """Per concurrency, one least-squares fit over every arm's steady-window rounds: target pass seconds =
+    a + b·query tokens + c·(rows × cache slots), the slots the pass's attention spans. What c times each arm's
+    mean span gives is the part of its target pass that its cache width costs."""
+    import numpy as np
+
+    lines = []
+    for conc in sorted({c["concurrency"] for c in results["cells"]}):
+        cells = [c for c in results["cells"] if c["concurrency"] == conc and "window" in c]
+        rows = []
+        for c in cells:
+            t0, t1 = c["window"]
+            steps = [s for s in read_step_log(c["step_log"]) if t0 <= s["started"] <= t1 and "kv_slots" in s]
+            rows += [(c["arm"], s["tokens"], s["batch"] * s["kv_slots"], s["target_seconds"]) for s in steps]
+        if len(rows) < 10:
+            continue
+        x = np.array([[1.0, r[1], r[2]] for r in rows])
+        y = np.array([r[3] for r in rows])
+        (a, b, k), *_ = np.linalg.lstsq(x, y, rcond=None)
+        lines.append(f"c={conc}: target pass ms = {1e3 * a:.2f} + {1e3 * b:.4f}·tokens + {1e6 * k:.3f}e-3·rows·slots "
+                     f"({len(rows)} rounds, every arm)")
+        for arm in dict.fromkeys(r[0] for r in rows):
+            mine = [r for r in rows if r[0] == arm]
+            span = mean([r[2] for r in mine])
+            lines.append(f"  {arm:>10}: rows·slots {span:8.0f} -> {1e3 * k * span:6.2f} ms of a "
+                         f"{1e3 * mean([r[3] for r in mine]):6.2f} ms target pass")
+    return lines
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
 """A Hugging Face causal LM behind a batched KV cache whose rows advance and roll back independently.
 
-The cache is one HF `DynamicCache` for the whole batch. Every forward appends `q = max new tokens` slots to
+The cache is one HF `DynamicCache` for the whole batch, whose layers append in place into spare capacity
+(`dspark.kv_cache`: no copy of the cache per pass). Every forward appends `q = max new tokens` slots to
 every row; rows with fewer new tokens pad, and a key-validity mask (passed as the 2-D `attention_mask`)
 hides the padding. Explicit per-row `position_ids` keep RoPE at each request's true positions. Rolling a
 row back marks its rejected slots invalid; when holes waste too much memory the cache is compacted by
@@ -14,6 +15,8 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from dspark.kv_cache import new_cache
 
 
 @dataclass
@@ -153,7 +156,7 @@ class CausalLM:
         part = self.empty_like()
         part.cache, part.valid, part.lengths = self.cache, self.valid, self.lengths
         if self.cache is not None:  # the part gets its own layer objects; this wrapper keeps the originals
-            part.cache = DynamicCache(config=self.model.config)
+            part.cache = new_cache(self.model.config)
             for mine, theirs in zip(self.cache.layers, part.cache.layers):
                 theirs.lazy_initialization(mine.keys, mine.values)
                 theirs.keys, theirs.values = mine.keys, mine.values
@@ -174,7 +177,7 @@ class CausalLM:
                            pad(other.valid, (0, width - other.valid.shape[1]))], 0)
         if self.cache is not None or other.cache is not None:
             ref = self.cache if self.cache is not None else other.cache
-            merged = DynamicCache(config=self.model.config)
+            merged = new_cache(self.model.config)
             for i, layer in enumerate(merged.layers):
                 k, v = ref.layers[i].keys, ref.layers[i].values
                 parts_k, parts_v = [], []
@@ -255,7 +258,7 @@ class CausalLM:
         if bool(empty.any()):
             attn_mask[empty] = True
         if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = new_cache(self.model.config)
         out = self.model(
             input_ids=ids,
             attention_mask=attn_mask.long(),

@@ -42,6 +42,13 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
     # prompt), then rows + accepted drafts per step
     assert sum(r["prefill_tokens"] for r in records) == sum(len(p) for p in prompts)
     assert len(prompts) + sum(r["batch"] + r["accepted"] for r in records) >= 3 * 12
+    # the cache before round 1 holds the whole prompts (their first tokens are the anchors), as wide as the
+    # longest; later it holds what each row kept, in slots that holes and uneven rows widen
+    first = records[0]
+    assert (first["kv_live"], first["kv_slots"]) == (sum(len(p) for p in prompts), max(len(p) for p in prompts))
+    assert 0 < first["join_seconds"] <= first["prefill_seconds"]
+    for rec in records[1:]:
+        assert 0 < rec["kv_live"] <= rec["kv_slots"] * rec["batch"] and rec["join_seconds"] == 0.0
 
 
 def test_the_prediction_is_the_cost_model_before_it_learns_the_step(bundled_target, tmp_path):

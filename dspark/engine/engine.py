@@ -60,7 +60,11 @@ class StepInfo:
     pass; prefill_seconds: the step's prefill chunk; step_seconds: the whole engine step. tokens: the verify pass's
     query tokens in the cost model's layout. predicted_seconds: the cost model's figure for this round before it
     was measured (online correction included; None without a cost model). started: perf_counter() when the step
-    began (the gap to the previous step's end is time the engine thread spent outside `step`).
+    began (the gap to the previous step's end is time the engine thread spent outside `step`). kv_slots: the
+    target cache's slots per row before the round's pass (what its attention spans: holes left by rolled-back
+    drafts and the rows' differing lengths included); kv_live: the tokens the rows hold (their lengths summed);
+    join_seconds: the part of prefill_seconds spent moving finished prefills into the batch (target cache and
+    drafter state).
     """
 
     batch: int
@@ -79,6 +83,9 @@ class StepInfo:
     step_seconds: float = 0.0
     predicted_seconds: float | None = None
     started: float = 0.0
+    kv_slots: int = 0
+    kv_live: int = 0
+    join_seconds: float = 0.0
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -190,6 +197,7 @@ class Engine:
         self.reserved = 0  # KV tokens reserved by admitted requests
         self.steps = 0
         self._fresh: set[int] = set()  # requests whose first token was committed in this step
+        self._join_seconds = 0.0
         self.request_errors = 0  # requests finished with "error" by a fault in their own drafting
         self.nonfinite_drafts = 0  # row rounds whose drafts were dropped for NaN / inf
         self.draft_timeouts = 0  # drafting calls slower than config.draft_timeout
@@ -257,11 +265,13 @@ class Engine:
         self._drop_cancelled(outputs)
         self._admit()
         prefill_start = time.perf_counter()
+        self._join_seconds = 0.0
         prefill_tokens = self._prefill(outputs)
         prefill_seconds = time.perf_counter() - prefill_start
         info = self._decode_round(outputs) if self.running else None
         if info is not None:
             info.prefill_tokens, info.prefill_seconds = prefill_tokens, prefill_seconds
+            info.join_seconds = self._join_seconds
             info.step_seconds, info.started = time.perf_counter() - start, start
             if self.on_step is not None:
                 self.on_step(info)
@@ -354,7 +364,9 @@ class Engine:
             req.prefilled += len(chunk)
         done = [r for r, req in enumerate(self.prefilling) if chunks[r] and req.prefilled == len(req.prompt_ids)]
         if done:
+            join_start = time.perf_counter()
             self._join(done, out.logits, [len(chunks[r]) - 1 for r in done], outputs)
+            self._join_seconds = time.perf_counter() - join_start
         return fed
 
     def _join(self, done: list[int], logits: torch.Tensor, last: list[int], outputs: list[RequestOutput]) -> None:
@@ -520,6 +532,7 @@ class Engine:
         drafts = block.tokens.tolist()
         inputs = [[s[-1]] + drafts[r][: lens[r]] for r, s in enumerate(seqs)]
         base_len = self.target.lengths.clone()
+        kv_slots, kv_live = int(self.target.valid.shape[1]), int(base_len.sum())
         target_start = time.perf_counter()
         out = self.target.forward(inputs, features=self.want_features)
         target_seconds = time.perf_counter() - target_start
@@ -558,7 +571,8 @@ class Engine:
         self._leave([r for r, req in enumerate(rows) if req.finished], None, outputs)
         return StepInfo(len(rows), tokens, drafted, seconds, lens, theta, capacity, list(res.accepted),
                         draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
-                        target_seconds=target_seconds, predicted_seconds=predicted)
+                        target_seconds=target_seconds, predicted_seconds=predicted, kv_slots=kv_slots,
+                        kv_live=kv_live)
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         return (req.stop_token_ids or frozenset()) | (frozenset() if req.ignore_eos else self.eos)

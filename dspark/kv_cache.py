@@ -1,0 +1,82 @@
+"""A KV cache whose layers grow in place: appends write into spare capacity instead of copying the cache.
+
+Hugging Face's `DynamicLayer` concatenates every pass's keys and values onto the cache, so each decoding step
+copies the whole cache of every layer (rows × slots × KV width): at 64 rows of 200 slots on a small model
+that is tens of MB per step, a cost that grows with the slots a pass spans. `HeadroomLayer` keeps its
+keys and values as prefix views of larger buffers and writes a pass's new slots after them; only when the
+buffer is full (or the batch's rows were re-indexed, compacted or joined, which make new tensors anyway) is
+it re-homed into a buffer with room for `max(64, half)` more slots.
+
+`CausalLM` manipulates the layers' `keys` / `values` directly (row selection, compaction, joins, dropping
+trailing slots); any of those either keeps a prefix view (slicing off trailing slots) or makes a new tensor,
+which the next `update` notices and re-homes. Slots past a view's end are free to overwrite: nothing else
+holds views of them.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+MIN_HEADROOM = 64  # slots added beyond what a re-homed layer needs, at least
+
+
+def _prefix_of(view: torch.Tensor, buffer: torch.Tensor | None) -> bool:
+    """Whether `view` is buffer[:, :, :n] for some n (same storage start, same strides, same rows and heads)."""
+    return (buffer is not None and view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
+            and view.shape[:2] == buffer.shape[:2] and view.shape[3] == buffer.shape[3]
+            and view.stride() == buffer.stride())
+
+
+class HeadroomLayer(DynamicLayer):
+    """A `DynamicLayer` that appends in place into spare capacity (see the module docstring)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+
+    def _rehome(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        capacity = need + max(MIN_HEADROOM, need // 2)
+        rows, heads, dim_k, dim_v = like_k.shape[0], like_k.shape[1], like_k.shape[3], like_v.shape[3]
+        kbuf = like_k.new_empty(rows, heads, capacity, dim_k)
+        vbuf = like_v.new_empty(rows, like_v.shape[1], capacity, dim_v)
+        if length:
+            kbuf[:, :, :length] = self.keys
+            vbuf[:, :, :length] = self.values
+        self._kbuf, self._vbuf = kbuf, vbuf
+        self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the pass's keys / values after the cached ones; return views of all of them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        need = length + key_states.shape[-2]
+        fits = (_prefix_of(self.keys, self._kbuf) and _prefix_of(self.values, self._vbuf)
+                and need <= self._kbuf.shape[-2] and self._kbuf.shape[0] == key_states.shape[0])
+        if not fits:
+            self._rehome(need, key_states, value_states)
+        self._kbuf[:, :, length:need] = key_states
+        self._vbuf[:, :, length:need] = value_states
+        self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        super().reset()
+        self._kbuf = self._vbuf = None
+
+
+def new_cache(config: PretrainedConfig) -> DynamicCache:
+    """A `DynamicCache` for `config` whose full-attention layers append in place (sliding-window layers, which
+    crop themselves, stay Hugging Face's)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [HeadroomLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache

@@ -1,0 +1,81 @@
+"""Cache layers that append in place: the same logits as Hugging Face's concatenating layers through every
+cache operation of `CausalLM`, and no copy of the cache on an ordinary pass."""
+import torch
+from transformers import DynamicCache, Qwen3Config
+from transformers.cache_utils import DynamicLayer
+
+import dspark.target
+from dspark.kv_cache import HeadroomLayer, new_cache
+from dspark.target import CausalLM
+from tests.conftest import tiny_qwen3
+
+
+def script(lm: CausalLM, seed: int) -> list[torch.Tensor]:
+    """Uneven appends, rollbacks, a row leaving, new rows joining from a second wrapper, a compaction:
+    the logits of every pass."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, 96, (n,), generator=gen).tolist()
+
+    outs = []
+    lm.reset(3)
+    outs.append(lm.forward([toks(9), toks(2), toks(5)]).logits)
+    for step in range(12):
+        counts = [int(torch.randint(0, 5, (1,), generator=gen)) for _ in range(lm.batch_size)]
+        outs.append(lm.forward([toks(c) for c in counts]).logits)
+        keep = [int(n) - c // 2 for n, c in zip(lm.lengths, counts)]
+        lm.truncate(keep)
+        if step == 3:
+            lm.select([2, 0])
+        if step == 5:  # two requests join with their own prefilled cache
+            side = lm.empty_like()
+            side.reset(2)
+            side.forward([toks(4), toks(11)])
+            lm.extend(side.take([1, 0]))
+        if step == 8:
+            lm.compact()
+    return outs
+
+
+def test_in_place_layers_give_the_logits_of_concatenating_ones(monkeypatch):
+    model = tiny_qwen3()
+    mine = script(CausalLM(model, compact_slack=3), seed=1)
+    monkeypatch.setattr(dspark.target, "new_cache", lambda config: DynamicCache(config=config))
+    ref_lm = CausalLM(model, compact_slack=3)
+    ref = script(ref_lm, seed=1)
+    assert not any(isinstance(layer, HeadroomLayer) for layer in ref_lm.cache.layers)  # the reference is HF's
+    assert len(mine) == len(ref)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_pass_writes_into_spare_capacity_and_a_row_selection_rehomes():
+    model = tiny_qwen3()
+    lm = CausalLM(model)
+    lm.reset(2)
+    lm.forward([[1, 2, 3], [4]])
+    layer = lm.cache.layers[0]
+    assert isinstance(layer, HeadroomLayer)
+    buffer = layer._kbuf
+    assert buffer.shape[2] >= layer.keys.shape[2] + 64  # room to grow
+    for _ in range(5):
+        lm.forward([[5], [6, 7]])
+    assert layer._kbuf is buffer and layer.keys.data_ptr() == buffer.data_ptr()  # appended in place
+    assert layer.keys.shape[2] == 3 + 5 * 2
+    lm.truncate([5, 6])  # trailing slots dropped: still a prefix view, the next pass overwrites them
+    lm.forward([[8], [9]])
+    assert layer._kbuf is buffer
+    lm.select([1])  # rows re-indexed: a new tensor, re-homed by the next pass
+    lm.forward([[10]])
+    assert layer._kbuf is not buffer and layer._kbuf.shape[0] == 1
+
+
+def test_new_cache_keeps_sliding_window_layers_as_they_are():
+    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, use_sliding_window=True, sliding_window=8,
+                         layer_types=["full_attention", "sliding_attention"])
+    hf = DynamicCache(config=config)
+    mine = new_cache(config)
+    assert type(hf.layers[1]) is not DynamicLayer  # HF's sliding layer, which crops itself
+    assert isinstance(mine.layers[0], HeadroomLayer) and type(mine.layers[1]) is type(hf.layers[1])
