@@ -73,6 +73,56 @@ class HeadroomLayer(DynamicLayer):
         super().reset()
         self._kbuf = self._vbuf = None
 
+    # ---------------------------------------------------------------- batch edits that write into a new buffer
+    def _fresh(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.keys, self.values
+        capacity = width + max(MIN_HEADROOM, width // 2)
+        self._kbuf = k.new_empty(rows, k.shape[1], capacity, k.shape[3])
+        self._vbuf = v.new_empty(rows, v.shape[1], capacity, v.shape[3])
+        return self._kbuf[:, :, :width], self._vbuf[:, :, :width]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows `index` (in that order), copied once into a buffer with room to grow."""
+        if self.keys is None or self.keys.dim() != 4:
+            return
+        keys, values = self._fresh(len(index), self.keys.shape[2])
+        torch.index_select(self.keys, 0, index, out=keys)
+        torch.index_select(self.values, 0, index, out=values)
+        self.keys, self.values = keys, values
+
+    def gather_slots(self, order: torch.Tensor) -> None:
+        """Keep slots order[r] of each row r ([rows, width] slot indices), copied once into a new buffer."""
+        if self.keys is None or self.keys.dim() != 4:
+            return
+        rows, width = order.shape
+        k_src, v_src = self.keys, self.values
+        keys, values = self._fresh(rows, width)
+        torch.gather(k_src, 2, order.view(rows, 1, width, 1).expand(-1, k_src.shape[1], -1, k_src.shape[3]), out=keys)
+        torch.gather(v_src, 2, order.view(rows, 1, width, 1).expand(-1, v_src.shape[1], -1, v_src.shape[3]), out=values)
+        self.keys, self.values = keys, values
+
+    def stack_rows(self, parts: list[tuple[torch.Tensor | None, torch.Tensor | None, int]], width: int) -> None:
+        """Become the rows of `parts` one after another ([(keys, values, rows)], keys None for rows that never
+        ran a pass), each padded with zero slots to `width`; copied once into a buffer with room to grow."""
+        like_k = next(k for k, _, _ in parts if k is not None)
+        like_v = next(v for _, v, _ in parts if v is not None)
+        if self.keys is None or self.keys.dim() != 4:
+            self.keys, self.values = like_k, like_v
+        keys, values = self._fresh(sum(n for _, _, n in parts), width)
+        start = 0
+        for k, v, n in parts:
+            used = 0 if k is None else k.shape[2]
+            if k is not None:
+                keys[start : start + n, :, :used] = k
+                values[start : start + n, :, :used] = v
+            keys[start : start + n, :, used:] = 0  # padding slots are masked; zeros keep them finite
+            values[start : start + n, :, used:] = 0
+            start += n
+        self.keys, self.values = keys, values
+        if not self.is_initialized:
+            self.is_initialized = True
+            self.device = like_k.device
+
 
 def new_cache(config: PretrainedConfig) -> DynamicCache:
     """A `DynamicCache` for `config` whose full-attention layers append in place (sliding-window layers, which

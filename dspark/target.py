@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from dspark.kv_cache import new_cache
+from dspark.kv_cache import HeadroomLayer, new_cache
 
 
 @dataclass
@@ -141,8 +141,11 @@ class CausalLM:
         self.lengths = self.lengths[idx]
         if self.cache is not None:
             for layer in self.cache.layers:
-                layer.keys = layer.keys[idx]
-                layer.values = layer.values[idx]
+                if isinstance(layer, HeadroomLayer):
+                    layer.select_rows(idx)
+                else:
+                    layer.keys = layer.keys[idx]
+                    layer.values = layer.values[idx]
 
     def empty_like(self) -> "CausalLM":
         """A new wrapper with no rows over the same model, tokenizer and feature layers (its own cache)."""
@@ -180,6 +183,11 @@ class CausalLM:
             merged = new_cache(self.model.config)
             for i, layer in enumerate(merged.layers):
                 k, v = ref.layers[i].keys, ref.layers[i].values
+                if isinstance(layer, HeadroomLayer):
+                    layer.stack_rows([(None, None, side.batch_size) if side.cache is None else
+                                      (side.cache.layers[i].keys, side.cache.layers[i].values, side.batch_size)
+                                      for side in (self, other)], width)
+                    continue
                 parts_k, parts_v = [], []
                 for side in (self, other):
                     if side.cache is None:  # rows that never ran a pass: all slots invalid
@@ -212,6 +220,9 @@ class CausalLM:
         # Valid slots first (stable, so token order is kept), then the rest.
         order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]
         for layer in self.cache.layers:
+            if isinstance(layer, HeadroomLayer):
+                layer.gather_slots(order)
+                continue
             gather = order.view(order.shape[0], 1, width, 1).expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, gather)
             layer.values = layer.values.gather(2, gather)

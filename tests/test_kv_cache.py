@@ -50,7 +50,7 @@ def test_in_place_layers_give_the_logits_of_concatenating_ones(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_a_pass_writes_into_spare_capacity_and_a_row_selection_rehomes():
+def test_passes_write_into_spare_capacity_and_batch_edits_copy_once():
     model = tiny_qwen3()
     lm = CausalLM(model)
     lm.reset(2)
@@ -66,9 +66,22 @@ def test_a_pass_writes_into_spare_capacity_and_a_row_selection_rehomes():
     lm.truncate([5, 6])  # trailing slots dropped: still a prefix view, the next pass overwrites them
     lm.forward([[8], [9]])
     assert layer._kbuf is buffer
-    lm.select([1])  # rows re-indexed: a new tensor, re-homed by the next pass
+    lm.select([1])  # rows re-indexed: copied once into a new buffer, which the next pass appends to
+    selected = layer._kbuf
+    assert selected is not buffer and selected.shape[0] == 1 and layer.keys.data_ptr() == selected.data_ptr()
     lm.forward([[10]])
-    assert layer._kbuf is not buffer and layer._kbuf.shape[0] == 1
+    assert layer._kbuf is selected
+    side = lm.empty_like()
+    side.reset(1)
+    side.forward([[1, 2]])
+    lm.extend(side)  # a join: both sides copied once into a new buffer (of a new layer object)
+    layer = lm.cache.layers[0]
+    joined = layer._kbuf
+    assert joined.shape[0] == 2 and layer.keys.data_ptr() == joined.data_ptr()
+    lm.forward([[3], [4]])
+    assert layer._kbuf is joined
+    lm.compact()  # a compaction gathers into a new buffer
+    assert layer._kbuf is not joined and layer.keys.data_ptr() == layer._kbuf.data_ptr()
 
 
 def test_new_cache_keeps_sliding_window_layers_as_they_are():
