@@ -65,6 +65,9 @@ class CostModel:
     _count: int = field(default=0, repr=False)
     _kinds: dict[str, tuple[float, float, int]] = field(default_factory=dict, repr=False)
     _cells: dict[tuple, tuple[float, float, int]] = field(default_factory=dict, repr=False)
+    #: seconds every step pays outside its round (prefill chunk, bookkeeping, the wait before the next step),
+    #: learned online (`observe_overhead`); added to drafted and plain costs alike
+    overhead: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -116,10 +119,10 @@ class CostModel:
         """Seconds of drafted steps with `batch` requests for each entry of `tokens` (vectorised)."""
         base, idx = self._base_many(batch, tokens)
         if not self._cells:
-            return base * self._scale(None, "d")
+            return base * self._scale(None, "d") + self.overhead
         b, _ = self._row_for(batch)
         scale = np.array([self._scale(("d", b, int(i)), "d") for i in np.atleast_1d(idx)])
-        return base * scale.reshape(base.shape)
+        return base * scale.reshape(base.shape) + self.overhead
 
     def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """The largest query-token count that costs the same as each entry of `tokens` (its profiled cell's
@@ -147,7 +150,12 @@ class CostModel:
     def plain_cost(self, batch: int) -> float:
         """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
         b, factor = self._plain_key(batch)
-        return self.plain[b] * factor * self._scale(("p", b), "p")
+        return self.plain[b] * factor * self._scale(("p", b), "p") + self.overhead
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Fold one step's time outside its round into `overhead` (an exponentially forgetting mean)."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self.overhead += self.alpha * (seconds - self.overhead)
 
     def _scale(self, key: tuple | None, kind: str) -> float:
         """Online correction factor of a cell (see `observe`)."""

@@ -609,3 +609,27 @@ def test_rounds_make_their_tensors_on_the_targets_device_not_torchs_default():
     # the prefill's pass commits token 1 (a verify without drafts); round 1 verifies two drafts and accepts both;
     # round 2 has no draft budget left: a plain round
     assert [(rs.draft_len, rs.accepted) for rs in req.rounds] == [(0, 0), (2, 2), (0, 0)]
+
+
+def test_the_engine_teaches_the_cost_model_each_steps_overhead_but_not_idle_time():
+    """Between two steps that ran rounds, the time outside the first one's round (its prefill and bookkeeping,
+    the wait until the next step) is the step's overhead; a wait far longer than a round is idleness."""
+    cost = uniform_cost_model(gamma=2, batches=(1, 2, 4), per_token=0.01)
+    seen = []
+    cost.observe_overhead = seen.append
+    engine, infos = make_engine(ScriptedDrafter(gamma=2), "fixed", cost)
+    run(engine, [Request([0], max_tokens=12), Request([1], max_tokens=12)])
+    # every step after the first ran a round while both rows were running, except after the last round
+    assert len(seen) >= len(infos) - 2 > 0
+    assert all(o >= 0 for o in seen)
+    idle = uniform_cost_model(gamma=2, batches=(1, 2, 4), per_token=0.01)
+    engine, _ = make_engine(ScriptedDrafter(gamma=2), "fixed", idle)
+    engine.add(Request([0], max_tokens=12))
+    engine.step()
+    engine._last_round = (engine._last_round[0] - 100.0, engine._last_round[1])  # as if it idled 100 s since
+    engine.step()
+    assert idle.overhead == 0.0
+    quiet = uniform_cost_model(gamma=2, batches=(1, 2, 4), per_token=0.01)
+    engine, _ = make_engine(ScriptedDrafter(gamma=2), "fixed", quiet, online_cost=False)
+    run(engine, [Request([0], max_tokens=12)])
+    assert quiet.overhead == 0.0

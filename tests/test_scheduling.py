@@ -295,3 +295,28 @@ def test_an_empty_batch_plans_nothing(spec):
     cost = uniform_cost_model(7, (1, 2))
     plan = Scheduler(spec, gamma=7).plan(np.zeros((0, 7)), [], cost)
     assert plan.lengths == []
+
+
+def test_step_overhead_is_part_of_every_cost_and_learned_online():
+    """Work every step pays outside its round (prefill chunk, bookkeeping, the wait for the next step) is added
+    to drafted and plain costs alike, as an exponentially forgetting mean of what the engine measured."""
+    cost = CostModel({1: [(1, 1.3), (2, 1.7), (3, 2.1), (4, 2.5)]}, {1: 1.0}, "ragged")
+    assert cost.overhead == 0.0
+    for _ in range(200):
+        cost.observe_overhead(3.0)
+    cost.observe_overhead(float("nan"))  # ignored
+    cost.observe_overhead(-1.0)  # ignored
+    assert cost.overhead == pytest.approx(3.0, rel=1e-3)
+    assert cost.cost(1, 2) == pytest.approx(1.7 + cost.overhead)
+    assert cost.plain_cost(1) == pytest.approx(1.0 + cost.overhead)
+
+
+def test_step_overhead_makes_longer_steps_pay():
+    """Survivals 0.5, 0.25, 0.125: on round costs alone Θ peaks at one draft (1.5 / 1.7); with 3 s of work per
+    step outside the round, two drafts (1.75 / 5.1) beat one (1.5 / 4.7), so Algorithm 1 admits two."""
+    survival = np.array([[0.5, 0.25, 0.125]])
+    cost = CostModel({1: [(1, 1.3), (2, 1.7), (3, 2.1), (4, 2.5)]}, {1: 1.0}, "ragged")
+    assert prefix_schedule(survival, [3], cost)[0].tolist() == [1]
+    cost.overhead = 3.0
+    lengths, theta = prefix_schedule(survival, [3], cost)
+    assert lengths.tolist() == [2] and theta == pytest.approx(1.75 / 5.1)

@@ -127,7 +127,9 @@ class EngineConfig:
     padded to the widest, so admission counts every row at the longest reservation (prompt + max_tokens + one
     block) among them, and the cache compacts before a pass would widen it past that.
     prefill_chunk: prompt tokens prefilled per step while other requests are decoding.
-    online_cost: correct the cost model from measured rounds. record_signals: keep each round's survival
+    online_cost: correct the cost model from measured rounds, and teach it each step's overhead outside its
+    round (prefill chunk, bookkeeping, the wait until the next step), which it adds to every cost so that Θ
+    prices whole steps. record_signals: keep each round's survival
     signals in its RoundStats. detokenize: keep each request's text (needs the target's tokenizer).
     draft_timeout: seconds a drafting call may take; a slower one pauses drafting for 1, 2, 4, … rounds (at
     most DRAFT_BACKOFF_MAX; back to 1 after a call within the limit). None: never paused.
@@ -198,6 +200,7 @@ class Engine:
         self.steps = 0
         self._fresh: set[int] = set()  # requests whose first token was committed in this step
         self._join_seconds = 0.0
+        self._last_round: tuple[float, float] | None = None  # (start, round seconds) of the last step with a round
         self.request_errors = 0  # requests finished with "error" by a fault in their own drafting
         self.nonfinite_drafts = 0  # row rounds whose drafts were dropped for NaN / inf
         self.draft_timeouts = 0  # drafting calls slower than config.draft_timeout
@@ -260,6 +263,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what each request committed in it (finished ones included)."""
         start = time.perf_counter()
+        self._observe_overhead(start)
         outputs: list[RequestOutput] = []
         self._fresh.clear()
         self._drop_cancelled(outputs)
@@ -275,8 +279,20 @@ class Engine:
             info.step_seconds, info.started = time.perf_counter() - start, start
             if self.on_step is not None:
                 self.on_step(info)
+        self._last_round = (start, info.seconds) if info is not None else None
         self.steps += 1
         return merge_outputs(outputs)
+
+    def _observe_overhead(self, now: float) -> None:
+        """Teach the cost model what the last step cost outside its round (its prefill, bookkeeping and the
+        wait until this step), when it ran a round and the engine did not go idle in between."""
+        last, self._last_round = self._last_round, None
+        if last is None or self.cost_model is None or not self.config.online_cost or not self.running:
+            return
+        started, round_seconds = last
+        period = now - started
+        if period < 10 * round_seconds + 1.0:  # a longer wait is idleness, not overhead
+            self.cost_model.observe_overhead(max(0.0, period - round_seconds))
 
     def _reservation(self, request: Request) -> int:
         return len(request.prompt_ids) + request.max_tokens + self.gamma + 1
@@ -561,6 +577,7 @@ class Engine:
         predicted = None
         if self.cost_model is not None:
             predicted = self.cost_model.cost(len(rows), tokens) if drafted else self.cost_model.plain_cost(len(rows))
+            predicted -= self.cost_model.overhead  # the round's own figure (the step's overhead is outside it)
             if self.config.online_cost and not faulted:
                 self.cost_model.observe(len(rows), tokens, seconds, drafted)
         now = time.perf_counter()
