@@ -1,11 +1,11 @@
 """Where an engine step's time goes at a fixed number of concurrent requests (closed loop, in process).
 
     python benchmarks/engine_overhead.py [--concurrency 16] [--steps 150] [--scheduler dspark] [--drafter dspark]
-        [--max-tokens 64] [--temperature 0] [--profile FILE] [--out FILE]
+        [--max-tokens 64] [--temperature 0] [--profile FILE] [--stagger] [--out FILE]
 
 Keeps `--concurrency` requests running (a finished request is replaced at once by the next held-out prompt),
 skips the first 20 steps, and splits every step into: the drafting call, survival + scheduler, the target
-pass, the prefill chunk of arriving requests, and the rest (verification, rollback, the drafter's feedback,
+pass, the prefill pass of arriving requests, their join into the batch, and the rest (verification, rollback, the drafter's feedback,
 online calibration and cost correction, commit, stop checks, admission and row bookkeeping). The engine's
 own overhead is that rest plus the scheduling share.
 """
@@ -34,6 +34,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--stagger", action="store_true",
+                    help="the first requests ask for 1..max_tokens tokens, so later ones arrive spread over steps "
+                         "(default: all start together and every wave arrives at once)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/serving/engine_overhead_T<T>_<scheduler>.txt")
     args = ap.parse_args()
 
@@ -50,8 +53,11 @@ def main() -> int:
 
     def issue() -> None:
         nonlocal issued
+        length = args.max_tokens
+        if args.stagger and issued < args.concurrency:
+            length = 1 + issued * args.max_tokens // args.concurrency
         engine.add(Request(prompts[issued % len(prompts)], SamplingParams(temperature=args.temperature, seed=issued),
-                           max_tokens=args.max_tokens, ignore_eos=True))
+                           max_tokens=length, ignore_eos=True))
         issued += 1
 
     for _ in range(args.concurrency):
@@ -66,7 +72,8 @@ def main() -> int:
         "drafting call": sum(s.draft_seconds for s in steps),
         "survival + scheduler": sum(s.schedule_seconds for s in steps),
         "target pass": sum(s.target_seconds for s in steps),
-        "prefill chunk": sum(s.prefill_seconds for s in steps),
+        "prefill pass": sum(s.prefill_seconds - s.join_seconds for s in steps),
+        "join (rows into the batch)": sum(s.join_seconds for s in steps),
     }
     parts["verify, commit, bookkeeping"] = total - sum(parts.values())
     lines = [f"python benchmarks/engine_overhead.py {' '.join(sys.argv[1:])}",
@@ -75,6 +82,9 @@ def main() -> int:
              f"median batch {statistics.median(s.batch for s in steps):.0f}"]
     for name, sec in parts.items():
         lines.append(f"  {name:<28} {100 * sec / total:5.1f}%  ({1e3 * sec / len(steps):6.2f} ms/step)")
+    fed = sum(s.prefill_tokens for s in steps)
+    lines.append(f"  prefill: {fed / len(steps):.1f} prompt tokens/step, "
+                 f"{1e3 * parts['prefill pass'] / max(fed, 1):.3f} ms per prompt token")
     committed = sum(len(s.accepted) + sum(s.accepted) for s in steps)
     lines.append(f"  committed {committed / len(steps):.1f} tokens/step: {committed / total:.0f} tokens/s in process "
                  f"(compare with the HTTP load sweep at the same concurrency)")

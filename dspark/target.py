@@ -62,7 +62,7 @@ class CausalLM:
         feature_layers: Sequence[int] = (),
         compact_slack: int = 64,
     ) -> None:
-        self.model = model.eval()
+        self.model = model.eval() if model.training else model  # eval() walks every module: only when needed
         self.tokenizer = tokenizer
         self.feature_layers = check_feature_layers(feature_layers, num_decoder_layers(model))
         self.compact_slack = compact_slack
@@ -236,11 +236,14 @@ class CausalLM:
 
     # ----------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, new_tokens: Sequence[Sequence[int]], features: bool = False) -> ForwardOutput:
+    def forward(self, new_tokens: Sequence[Sequence[int]], features: bool = False,
+                last_logits_only: bool = False) -> ForwardOutput:
         """Append `new_tokens[r]` to row r (lengths may differ, 0 allowed) and return their outputs.
 
         Output position j of row r is the model's prediction after the row's text up to and including
-        new_tokens[r][j]; positions past len(new_tokens[r]) are padding and meaningless.
+        new_tokens[r][j]; positions past len(new_tokens[r]) are padding and meaningless. last_logits_only:
+        logits [B, 1, V] at each row's last new token only (the vocabulary projection of a prefill's other
+        positions is never read); features keep every position.
         """
         if len(new_tokens) != self.batch_size:
             raise ValueError(f"got {len(new_tokens)} rows of tokens for a batch of {self.batch_size}")
@@ -277,6 +280,7 @@ class CausalLM:
             cache=self.cache,
             use_cache=True,
             output_hidden_states=features and bool(self.feature_layers),
+            **({"logits_to_keep": (counts - 1).clamp(min=0).view(-1, 1)} if last_logits_only else {}),
         )
         self.cache = out.cache
         self.valid = mask

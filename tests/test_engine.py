@@ -157,6 +157,31 @@ def test_cancel_frees_the_row_in_the_next_step(bundled_target, dspark_drafter, p
     assert waiting.finish_reason == "cancelled" and not engine2.waiting
 
 
+def test_short_prompts_joining_beside_a_long_one_are_not_padded_to_it(bundled_target, dspark_drafter, prompts):
+    """A long prompt and two short ones arrive together with nothing running: the first pass feeds the short
+    ones whole at their width, not all three padded to the long one; the short requests join and decode in
+    that step, the long one finishes its prompt in later passes, and every greedy output is its standalone
+    output."""
+    long_prompt = sum((prompts[i] for i in range(6, 12)), [])[:300]
+    short = [prompts[0][:20], prompts[1][:24]]
+    infos = []
+    engine = Engine(bundled_target, dspark_drafter, "fixed", config=EngineConfig(prefill_chunk=256),
+                    on_step=infos.append)
+    requests = [Request(long_prompt, max_tokens=8), *(Request(p, max_tokens=8) for p in short)]
+    for req in requests:
+        engine.add(req)
+    engine.step()
+    first = infos[0]
+    assert first.prefill_slots == 3 * 24 and first.prefill_tokens == 24 + 20 + 24
+    assert all(r.output_ids for r in requests[1:]) and requests[0].state == "prefilling" and not requests[0].output_ids
+    while engine.has_work:
+        engine.step()
+    assert sum(i.prefill_tokens for i in infos) == len(long_prompt) + 44
+    assert all(i.prefill_slots <= 256 for i in infos[1:])  # once requests run, passes keep to the budget
+    for req, prompt in zip(requests, [long_prompt, *short]):
+        assert req.output_ids == standalone(bundled_target, prompt, 8)
+
+
 def test_long_prompt_prefills_in_chunks_without_stalling_running_requests(bundled_target, dspark_drafter, prompts):
     # no EOS: the short requests keep running for the whole prefill
     engine = Engine(bundled_target, dspark_drafter, "fixed", config=EngineConfig(prefill_chunk=16),
@@ -175,7 +200,7 @@ def test_long_prompt_prefills_in_chunks_without_stalling_running_requests(bundle
         engine.on_step = infos.append
         engine.step()
         prefill_steps += 1
-        assert infos[0].prefill_tokens <= 16
+        assert infos[0].prefill_tokens <= infos[0].prefill_slots <= 16
         assert all(len(r.output_ids) > b for r, b in zip(short, before) if not r.finished)  # never stalled
     assert prefill_steps >= (len(long_prompt) - 1) // 16
     while engine.has_work:

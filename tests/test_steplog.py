@@ -9,6 +9,7 @@ import pytest
 import dspark
 from dspark.api import encode_prompt
 from dspark.engine import Engine, Request
+from dspark.engine.prefill import prefill_width
 from dspark.engine.steplog import StepLog, chain, read_step_log
 from dspark.evaluation.bench import load_eval_prompts
 from dspark.sampling import SamplingParams
@@ -42,13 +43,19 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
     # prompt), then rows + accepted drafts per step
     assert sum(r["prefill_tokens"] for r in records) == sum(len(p) for p in prompts)
     assert len(prompts) + sum(r["batch"] + r["accepted"] for r in records) >= 3 * 12
-    # the cache before round 1 holds the whole prompts (their first tokens are the anchors), as wide as the
-    # longest; later it holds what each row kept, in slots that holes and uneven rows widen
+    # the cache before round 1 holds the prompts that the first prefill pass fed whole (its width maximises
+    # prompt tokens per cost; a longer prompt continues in later passes), as wide as the longest of them;
+    # later it holds what each row kept, in slots that holes and uneven rows widen
+    lengths = [len(p) for p in prompts]
+    width = prefill_width(lengths)
+    joined = [n for n in lengths if n <= width]
     first = records[0]
-    assert (first["kv_live"], first["kv_slots"]) == (sum(len(p) for p in prompts), max(len(p) for p in prompts))
+    assert first["prefill_slots"] == len(prompts) * width and first["prefill_tokens"] == sum(min(n, width) for n in lengths)
+    assert (first["batch"], first["kv_live"], first["kv_slots"]) == (len(joined), sum(joined), max(joined))
     assert 0 < first["join_seconds"] <= first["prefill_seconds"]
+    assert sum(r["join_seconds"] > 0 for r in records) <= len(prompts) - len(joined) + 1
     for rec in records[1:]:
-        assert 0 < rec["kv_live"] <= rec["kv_slots"] * rec["batch"] and rec["join_seconds"] == 0.0
+        assert 0 < rec["kv_live"] <= rec["kv_slots"] * rec["batch"] and rec["join_seconds"] >= 0.0
 
 
 def test_the_prediction_is_the_cost_model_before_it_learns_the_step(bundled_target, tmp_path):

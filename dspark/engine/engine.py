@@ -4,8 +4,9 @@ Requests arrive (`add`) and leave (finish, `cancel`) at any time. Each `step()`:
 
 1. drop cancelled requests (their rows and memory go now);
 2. admit waiting requests while running rows, the per-step token budget and the KV budget allow;
-3. prefill a chunk of the joining requests' prompts in their own cache (while others are running, at most
-   `prefill_chunk` tokens, so a long prompt never stalls them); requests whose prompt is in commit their
+3. prefill a chunk of the joining requests' prompts in their own cache, one padded pass whose width feeds
+   the most prompt tokens per cost (while others are running, at most `prefill_chunk` slots, so a long
+   prompt never stalls them; `dspark.engine.prefill`); requests whose prompt is in commit their
    first token, sampled from the prefill's last logits, and join the batch with it as their anchor;
 4. one decoding round for every running request: one batched drafting call → calibrated survival a[r, k]
    → the verification scheduler's ℓ_r → one target pass over the anchors and ℓ_r drafts → batched
@@ -35,6 +36,7 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome, drafter_gamma
+from dspark.engine.prefill import prefill_width
 from dspark.engine.request import Request, RequestOutput, RoundStats
 from dspark.engine.survival import survival_for
 from dspark.engine.text import TextStream
@@ -64,7 +66,7 @@ class StepInfo:
     target cache's slots per row before the round's pass (what its attention spans: holes left by rolled-back
     drafts and the rows' differing lengths included); kv_live: the tokens the rows hold (their lengths summed);
     join_seconds: the part of prefill_seconds spent moving finished prefills into the batch (target cache and
-    drafter state).
+    drafter state). prefill_slots: the prefill pass's prefilling rows × its width (prefill_tokens plus padding).
     """
 
     batch: int
@@ -86,6 +88,7 @@ class StepInfo:
     kv_slots: int = 0
     kv_live: int = 0
     join_seconds: float = 0.0
+    prefill_slots: int = 0
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -126,7 +129,8 @@ class EngineConfig:
     target's KV cache may allocate (rows × padded width, prefilling rows included; None: no limit). Rows are
     padded to the widest, so admission counts every row at the longest reservation (prompt + max_tokens + one
     block) among them, and the cache compacts before a pass would widen it past that.
-    prefill_chunk: prompt tokens prefilled per step while other requests are decoding.
+    prefill_chunk: slots (prefilling rows × the pass's width) one prefill pass may span while other requests
+    are decoding; the width maximises prompt tokens fed per cost (`dspark.engine.prefill`).
     online_cost: correct the cost model from measured rounds, and teach it each step's overhead outside its
     round (prefill chunk, bookkeeping, the wait until the next step), which it adds to every cost so that Θ
     prices whole steps. record_signals: keep each round's survival
@@ -200,6 +204,7 @@ class Engine:
         self.steps = 0
         self._fresh: set[int] = set()  # requests whose first token was committed in this step
         self._join_seconds = 0.0
+        self._prefill_slots = 0
         self._last_round: tuple[float, float] | None = None  # (start, round seconds) of the last step with a round
         self.request_errors = 0  # requests finished with "error" by a fault in their own drafting
         self.nonfinite_drafts = 0  # row rounds whose drafts were dropped for NaN / inf
@@ -269,13 +274,13 @@ class Engine:
         self._drop_cancelled(outputs)
         self._admit()
         prefill_start = time.perf_counter()
-        self._join_seconds = 0.0
+        self._join_seconds = self._prefill_slots = 0
         prefill_tokens = self._prefill(outputs)
         prefill_seconds = time.perf_counter() - prefill_start
         info = self._decode_round(outputs) if self.running else None
         if info is not None:
             info.prefill_tokens, info.prefill_seconds = prefill_tokens, prefill_seconds
-            info.join_seconds = self._join_seconds
+            info.join_seconds, info.prefill_slots = self._join_seconds, self._prefill_slots
             info.step_seconds, info.started = time.perf_counter() - start, start
             if self.on_step is not None:
                 self.on_step(info)
@@ -356,24 +361,18 @@ class Engine:
         every round drafts from an answer token, as the drafters were trained to."""
         if not self.prefilling:
             return 0
-        room = None if not self.running else self.config.prefill_chunk
+        budget = None if not self.running else self.config.prefill_chunk
         # Under a KV budget a pass may not widen the prefill cache past its limit, even after compaction
         # (which leaves the longest row's slots): lagging rows catch up in several chunks.
         limit = self.prefill_lm.max_width
         cap = None if limit is None else limit - max(req.prefilled for req in self.prefilling)
-        chunks = []
-        for req in self.prefilling:
-            todo = len(req.prompt_ids) - req.prefilled
-            n = todo if room is None else min(todo, room)
-            if cap is not None:
-                n = min(n, cap)
-            if room is not None:
-                room -= n
-            chunks.append(req.prompt_ids[req.prefilled : req.prefilled + n])
+        width = prefill_width([len(req.prompt_ids) - req.prefilled for req in self.prefilling], budget, cap)
+        chunks = [req.prompt_ids[req.prefilled : req.prefilled + width] for req in self.prefilling]
         fed = sum(len(c) for c in chunks)
         if not fed:
             return 0
-        out = self.prefill_lm.forward(chunks, features=self.want_features)
+        self._prefill_slots = len(chunks) * max(len(c) for c in chunks)
+        out = self.prefill_lm.forward(chunks, features=self.want_features, last_logits_only=True)
         for r, (req, chunk) in enumerate(zip(self.prefilling, chunks)):
             if self.want_features and chunk:
                 self._features[req.seq].append(out.features[r, : len(chunk)])
@@ -381,7 +380,7 @@ class Engine:
         done = [r for r, req in enumerate(self.prefilling) if chunks[r] and req.prefilled == len(req.prompt_ids)]
         if done:
             join_start = time.perf_counter()
-            self._join(done, out.logits, [len(chunks[r]) - 1 for r in done], outputs)
+            self._join(done, out.logits, [0] * len(done), outputs)
             self._join_seconds = time.perf_counter() - join_start
         return fed
 

@@ -29,6 +29,7 @@ def step_record(info: StepInfo) -> dict:
         "max_length": max(info.lengths, default=0),
         "seconds": round(info.seconds, 6), "step_seconds": round(info.step_seconds, 6),
         "prefill_seconds": round(info.prefill_seconds, 6), "prefill_tokens": info.prefill_tokens,
+        "prefill_slots": info.prefill_slots,
         "draft_seconds": round(info.draft_seconds, 6), "schedule_seconds": round(info.schedule_seconds, 6),
         "target_seconds": round(info.target_seconds, 6),
         "predicted_seconds": None if info.predicted_seconds is None else round(info.predicted_seconds, 6),

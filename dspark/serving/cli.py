@@ -48,7 +48,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="most KV cache slots (rows x padded width) the target's cache may allocate; requests wait "
                         "beyond it, and one that alone exceeds it is refused (default: no limit)")
     s.add_argument("--prefill-chunk", type=int_arg(1), default=256,
-                   help="prompt tokens prefilled per step while decoding")
+                   help="slots (prefilling rows x width) of the prefill pass per step while decoding")
     s.add_argument("--no-online-calibration", action="store_true",
                    help="keep the drafter's offline calibration fixed (default: corrected online per workload)")
     s.add_argument("--no-online-cost", action="store_true", help="do not correct the step-cost model online")
