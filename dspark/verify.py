@@ -65,39 +65,51 @@ def verify(
         accepted = torch.where(greedy, g_acc, accepted)
         next_token = torch.where(greedy, argmax.gather(1, g_acc.view(-1, 1)).squeeze(1), next_token)
 
-    sampled_rows = (~greedy).nonzero().flatten().tolist()
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=device)
+    sampled_rows = (~greedy).nonzero().flatten()
+    q = None
+    if len(sampled_rows):
+        rows = sampled_rows.to(device)
         sub = BatchSampling(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows])
         p = logits_to_probs(target_logits[rows], sub)  # [S, Lmax+1, V]
-        drafts = draft_tokens[rows]
-        p_x = p[:, :max_len].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # p(x_j)
-        if draft_probs is None:
-            q = None
-            q_x = torch.ones_like(p_x)
-        else:
-            q = draft_probs[rows].to(device=device, dtype=torch.float32)
-            q_x = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # q(x_j)
-        for i, r in enumerate(sampled_rows):
-            n = int(draft_lens[r])
-            gen = generators[r]
-            u = torch.rand(n, generator=gen, device=device)
-            # accept x_j iff u_j < p(x_j)/q(x_j), written without division
-            ok = (u * q_x[i, :n] < p_x[i, :n]).long()
-            a = int(torch.cumprod(ok, 0).sum()) if n else 0
-            if a < n:
-                if q is None:
-                    residual = p[i, a].clone()
-                    residual[drafts[i, a]] = 0.0
-                else:
-                    residual = (p[i, a] - q[i, a]).clamp_min(0.0)
-                total = residual.sum()
-                # total == 0 only when p == q, where rejection has probability 0; guard rounding.
-                dist = residual / total if total > 0 else p[i, a]
+        drafts, lens = draft_tokens[rows], draft_lens[rows]
+        num = len(rows)
+        # One random call per row: its drafts' acceptance uniforms, then the one that draws its next token.
+        u = torch.zeros(num, max_len + 1, device=device)
+        for i, (r, n) in enumerate(zip(sampled_rows.tolist(), lens.tolist())):
+            u[i, : n + 1] = torch.rand(n + 1, generator=generators[r], device=device)
+        every = torch.arange(num, device=device)
+        if max_len:
+            p_x = p[:, :max_len].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # p(x_j)
+            if draft_probs is None:
+                q = None
+                q_x = torch.ones_like(p_x)
             else:
-                dist = p[i, n]
-            accepted[r] = a
-            next_token[r] = torch.multinomial(dist, 1, generator=gen).squeeze()
+                q = draft_probs[rows].to(device=device, dtype=torch.float32)
+                q_x = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # q(x_j)
+            # accept x_j iff u_j < p(x_j)/q(x_j), written without division
+            ok = (u[:, :max_len] * q_x < p_x) & in_draft[rows]
+            a = torch.cumprod(ok.long(), dim=1).sum(1)
+        else:
+            a = torch.zeros(num, dtype=torch.long, device=device)
+        p_a = p[every, a]  # [S, V]: at a rejection the target's distribution there, else the bonus position's
+        dist = p_a
+        rejected = a < lens
+        if bool(rejected.any()):
+            at = a.clamp(max=max_len - 1)
+            if q is None:  # one-hot q: the residual is p without the rejected draft
+                residual = p_a.scatter(1, drafts.gather(1, at.view(-1, 1)), 0.0)
+            else:
+                residual = (p_a - q[every, at]).clamp_min(0.0)
+            # total == 0 only when p == q, where rejection has probability 0; guard rounding.
+            use = rejected & (residual.sum(-1) > 0)
+            dist = torch.where(use.view(-1, 1), residual, p_a)
+        # inverse-CDF draw of the next token from each row's own uniform; never a token without mass
+        cdf = dist.cumsum(-1)
+        pick = torch.searchsorted(cdf, (u[every, lens] * cdf[:, -1]).unsqueeze(1).contiguous(), right=True).squeeze(1)
+        vocab = dist.shape[-1]
+        last_with_mass = vocab - 1 - (dist > 0).flip(-1).long().argmax(-1)
+        accepted[rows] = a
+        next_token[rows] = torch.minimum(pick, last_with_mass)
 
     acc_list = accepted.tolist()
     nxt_list = next_token.tolist()
