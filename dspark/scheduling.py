@@ -431,6 +431,8 @@ class Scheduler:
     SMOOTHING = 0.3
     #: weight of a drafted step's mean survival row in the typical row that gates probes
     SURVIVAL_SMOOTHING = 0.05
+    #: expected relative gain of drafting below which the policy calls itself unsure (`unsure`)
+    UNSURE_GAIN = 0.25
 
     def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
         self.spec = spec
@@ -462,6 +464,12 @@ class Scheduler:
     def adaptive(self) -> bool:
         """Whether the policy may skip drafting when it does not pay."""
         return self.kind in ("dspark", "dspark-async")
+
+    @property
+    def unsure(self) -> bool:
+        """Whether the smoothed expected gain of drafting over plain decoding is small (below UNSURE_GAIN, or
+        not known yet): where measuring plain decoding against drafting is worth its time."""
+        return self._gain is None or self._gain < math.log1p(self.UNSURE_GAIN)
 
     def wants_drafts(self, num_rows: int) -> bool:
         """Whether the coming step should call the drafter at all."""

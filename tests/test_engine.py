@@ -377,3 +377,45 @@ def test_the_kv_budget_bounds_the_slots_the_cache_allocates(bundled_target, dspa
     again = [Request(p, max_tokens=m) for p, m in zip(chosen, lengths)]
     run_staggered(unlimited, again, [0] * len(again))
     assert [r.output_ids for r in again] == [r.output_ids for r in requests]
+
+
+def test_the_rate_guard_switches_drafting_off_by_whole_steps_and_stays_lossless(bundled_target, dspark_drafter,
+                                                                                 prompts):
+    """With windows of one step and a scheduler that always calls itself unsure, the rate guard alternates
+    drafting and plain windows from measured rates. Its mode for a step is fixed when the step starts, before
+    the drafter runs (it reads only earlier steps: non-anticipating), a plain-mode step never calls the
+    drafter, and every greedy output is its standalone output."""
+    from dspark.engine.rate_guard import RateGuard
+
+    engine = Engine(bundled_target, dspark_drafter, "dspark", uniform_cost_model(drafter_gamma(dspark_drafter)),
+                    EngineConfig(max_running=8))
+    engine.rate_guard = RateGuard(window_seconds=1e-9, min_steps=1, max_gap=1)
+    engine.scheduler.UNSURE_GAIN = 1e9  # always unsure: the guard keeps exploring
+    seen = []
+    propose = dspark_drafter.propose
+
+    def spy(*args, **kwargs):
+        seen.append(("propose", engine.rate_guard.drafting))
+        return propose(*args, **kwargs)
+
+    engine.on_step = lambda info: seen.append(("step", engine.rate_guard.drafting, info.drafted))
+    dspark_drafter.propose = spy
+    try:
+        requests = [Request(prompts[i], max_tokens=[9, 14, 20][i % 3]) for i in range(12)]
+        run_staggered(engine, requests, [i // 2 for i in range(12)])
+    finally:
+        del dspark_drafter.propose
+    steps = [s for s in seen if s[0] == "step"]
+    assert all(mode for kind, mode, *_ in seen if kind == "propose")  # the drafter runs only in drafting mode
+    assert all(mode or not drafted for _, mode, drafted in steps)
+    assert engine.rate_guard.plain_windows > 0 and any(drafted for *_, drafted in steps)
+    for req in requests:
+        assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens)
+
+
+def test_the_rate_guard_is_only_for_adaptive_schedulers_and_can_be_switched_off(bundled_target, dspark_drafter):
+    cost = uniform_cost_model(drafter_gamma(dspark_drafter))
+    assert Engine(bundled_target, dspark_drafter, "dspark", cost).rate_guard is not None
+    assert Engine(bundled_target, dspark_drafter, "dspark-async", cost).rate_guard is not None
+    assert Engine(bundled_target, dspark_drafter, "fixed", cost).rate_guard is None
+    assert Engine(bundled_target, dspark_drafter, "dspark", cost, EngineConfig(rate_guard=False)).rate_guard is None

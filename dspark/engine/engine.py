@@ -37,6 +37,7 @@ import torch
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome, drafter_gamma
 from dspark.engine.prefill import prefill_width
+from dspark.engine.rate_guard import RateGuard
 from dspark.engine.request import Request, RequestOutput, RoundStats
 from dspark.engine.survival import survival_for
 from dspark.engine.text import TextStream
@@ -137,6 +138,9 @@ class EngineConfig:
     signals in its RoundStats. detokenize: keep each request's text (needs the target's tokenizer).
     draft_timeout: seconds a drafting call may take; a slower one pauses drafting for 1, 2, 4, … rounds (at
     most DRAFT_BACKOFF_MAX; back to 1 after a call within the limit). None: never paused.
+    rate_guard: with an adaptive scheduler, turn drafting off for whole windows of steps while measured
+    throughput (committed tokens per second of wall time, per load) says plain decoding is faster
+    (`dspark.engine.rate_guard`).
     """
 
     max_running: int = 64
@@ -148,6 +152,7 @@ class EngineConfig:
     record_signals: bool = False
     detokenize: bool = True
     draft_timeout: float | None = None
+    rate_guard: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk"):
@@ -211,6 +216,9 @@ class Engine:
         self.draft_timeouts = 0  # drafting calls slower than config.draft_timeout
         self._draft_backoff = 0  # rounds of the last pause (doubles while calls stay slow)
         self._draft_pause = 0  # rounds left without drafting
+        self.rate_guard = RateGuard() if self.scheduler.adaptive and self.config.rate_guard else None
+        self._committed = 0  # tokens committed so far (the rate guard's counts)
+        self._last_step: tuple[float, float, int, int] | None = None  # (start, seconds, committed, rows)
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, request: Request) -> None:
@@ -269,6 +277,8 @@ class Engine:
         """Run one engine step; return what each request committed in it (finished ones included)."""
         start = time.perf_counter()
         self._observe_overhead(start)
+        self._observe_rate(start)
+        committed = self._committed
         outputs: list[RequestOutput] = []
         self._fresh.clear()
         self._drop_cancelled(outputs)
@@ -285,6 +295,8 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(info)
         self._last_round = (start, info.seconds) if info is not None else None
+        self._last_step = (start, time.perf_counter() - start, self._committed - committed, info.batch) \
+            if info is not None else None
         self.steps += 1
         return merge_outputs(outputs)
 
@@ -298,6 +310,22 @@ class Engine:
         period = now - started
         if period < 10 * round_seconds + 1.0:  # a longer wait is idleness, not overhead
             self.cost_model.observe_overhead(max(0.0, period - round_seconds))
+
+    def _observe_rate(self, now: float) -> None:
+        """Give the rate guard the last step: its period up to this step, its committed tokens and rows; a step
+        after the engine went idle (or ran no round) ends the guard's window without counting the wait."""
+        guard, last, self._last_step = self.rate_guard, self._last_step, None
+        if guard is None:
+            return
+        if last is None:
+            guard.discard()
+            return
+        started, seconds, tokens, rows = last
+        period = now - started
+        if period >= 10 * seconds + 1.0:  # idle in between, as for the overhead
+            guard.discard()
+            return
+        guard.record(period, tokens, rows, unsure=self.scheduler.unsure)
 
     def _reservation(self, request: Request) -> int:
         return len(request.prompt_ids) + request.max_tokens + self.gamma + 1
@@ -442,6 +470,8 @@ class Engine:
             return False
         if self._draft_pause > 0:
             self._draft_pause -= 1
+            return False
+        if self.rate_guard is not None and not self.rate_guard.drafting:
             return False
         return self.scheduler.wants_drafts(len(budget))
 
@@ -604,6 +634,7 @@ class Engine:
                 break
         req.output_ids.extend(new)
         self._seqs[req.seq].extend(new)
+        self._committed += len(new)
         if new and (req.first_token_time is None or req.seq in self._fresh):
             # the prefill's token leaves the engine with the step's round: it is delivered at the step's last commit
             req.first_token_time = now

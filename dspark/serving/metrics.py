@@ -112,6 +112,9 @@ class ServerMetrics:
                                  registry=r)
         self.capacity = Gauge("dspark:scheduler_capacity", "The verification scheduler's last capacity.",
                               registry=r)
+        self.rate_guard = Gauge("dspark:rate_guard_drafting",
+                                "1 while the engine may draft, 0 while its rate guard has drafting off (measured "
+                                "plain decoding faster at this load).", registry=r)
         self.ece = Gauge("dspark:calibration_ece", "Online calibration ECE of the served survival, per workload.",
                          ["workload"], registry=r)
         self._positions: list = []  # accepted_per_pos children, by position
@@ -126,6 +129,7 @@ class ServerMetrics:
         self.kv_tokens.set_function(lambda: kv_cache_size(engine)[0])
         self.kv_bytes.set_function(lambda: kv_cache_size(engine)[1])
         self.kv_reserved.set_function(lambda: engine.reserved)
+        self.rate_guard.set_function(lambda: float(engine.rate_guard is None or engine.rate_guard.drafting))
         self._calibrator = engine.online_calibration
         if self._engine_counters is None:
             self._engine_counters = _EngineCounters(engine)

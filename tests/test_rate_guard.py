@@ -1,0 +1,75 @@
+"""The rate guard: drafting on or off for whole windows, chosen from measured throughput, at each load."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dspark.engine.rate_guard import RateGuard
+
+
+def simulate(guard: RateGuard, rate: dict[bool, float], steps: int = 4000, rows: int = 64, noise: float = 0.0,
+             unsure: bool = True, seed: int = 0) -> tuple[float, float]:
+    """Feed the guard steps of 0.1 s whose committed tokens follow each mode's true rate (± noise per step);
+    return (share of time spent drafting, achieved tokens / s)."""
+    rng = random.Random(seed)
+    seconds = tokens = drafting_time = 0.0
+    for _ in range(steps):
+        step = 0.1
+        got = rate[guard.drafting] * step * (1 + rng.uniform(-noise, noise))
+        drafting_time += step if guard.drafting else 0.0
+        seconds += step
+        tokens += got
+        guard.record(step, int(round(got)), rows, unsure)
+    return drafting_time / seconds, tokens / seconds
+
+
+def test_when_plain_decoding_is_faster_the_guard_turns_drafting_off():
+    share, achieved = simulate(RateGuard(), {True: 500.0, False: 560.0})
+    assert share < 0.15
+    assert achieved > 0.98 * 560.0 * (1 - 0.5 * 0.15)  # close to plain decoding's rate
+
+
+def test_when_drafting_is_faster_the_guard_keeps_it_and_explores_rarely():
+    share, achieved = simulate(RateGuard(), {True: 600.0, False: 500.0})
+    assert share > 0.9 and achieved > 0.98 * 600.0 * 0.9
+
+
+def test_noisy_windows_still_settle_on_the_faster_mode():
+    for seed in range(5):
+        share, _ = simulate(RateGuard(), {True: 500.0, False: 550.0}, noise=0.3, seed=seed)
+        assert share < 0.25, seed
+
+
+def test_a_confident_cost_model_pays_for_no_plain_window():
+    guard = RateGuard()
+    share, _ = simulate(guard, {True: 900.0, False: 400.0}, unsure=False)
+    assert share == 1.0 and guard.plain_windows == 0
+
+
+def test_loads_are_judged_apart():
+    guard = RateGuard()
+    simulate(guard, {True: 300.0, False: 100.0}, rows=2, steps=2000)
+    simulate(guard, {True: 500.0, False: 560.0}, rows=64, steps=2000)
+    assert guard.rates(2)[True] > guard.rates(2)[False] and guard.rates(64)[False] > guard.rates(64)[True]
+    share, _ = simulate(guard, {True: 300.0, False: 100.0}, rows=2, steps=1000)
+    assert share > 0.9  # back at the light load, drafting is still the choice there
+
+
+def test_a_window_needs_its_time_and_its_steps_and_an_idle_one_is_dropped():
+    guard = RateGuard(window_seconds=1.0, min_steps=3)
+    guard.record(2.0, 100, 8)
+    guard.record(2.0, 100, 8)
+    assert guard.windows == 0  # two steps are not a window, however long
+    guard.discard()
+    guard.record(0.4, 10, 8)
+    guard.record(0.4, 10, 8)
+    guard.record(0.4, 10, 8)
+    assert guard.windows == 1 and guard.rates(8) == {True: pytest.approx(30 / 1.2)}
+
+
+@pytest.mark.parametrize("bad", [dict(window_seconds=0), dict(min_steps=0), dict(margin=1.0), dict(smoothing=0),
+                                 dict(max_gap=0)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError, match="RateGuard"):
+        RateGuard(**bad)
