@@ -75,13 +75,17 @@ def scrape(base: str) -> dict[str, float]:
 
 def start_server(arm: str, port: int, args: argparse.Namespace, log: Path,
                  extra: list[str] | None = None) -> subprocess.Popen:
-    """Start `dspark serve` for one scheduler on `port` (does not wait for it); `extra`: more serve options."""
-    cmd = [sys.executable, "-m", "dspark.cli", "serve", "--scheduler", arm, "--drafter", args.drafter,
+    """Start `dspark serve` for one arm on `port` (does not wait for it); `extra`: more serve options.
+
+    An arm is a scheduler name, optionally followed by serve flags without their dashes after `+`:
+    `dspark+no-rate-guard` serves the dspark scheduler with `--no-rate-guard`."""
+    scheduler, *flags = arm.split("+")
+    cmd = [sys.executable, "-m", "dspark.cli", "serve", "--scheduler", scheduler, "--drafter", args.drafter,
            "--port", str(port), "--max-running", str(max(args.concurrency)),
            "--device", getattr(args, "device", "cpu"), "--dtype", getattr(args, "dtype", "bfloat16")]
     if args.profile:
         cmd += ["--profile", args.profile]
-    cmd += extra or []
+    cmd += [f"--{flag}" for flag in flags] + (extra or [])
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -300,7 +304,7 @@ def verdicts(results: dict, adaptive: tuple[str, ...] = ("dspark", "dspark-async
         tp = _mean_by(cells, temp, "throughput")
         pu = _mean_by(cells, temp, "per_user_median")
         arms = list(dict.fromkeys(a for a, _ in tp))
-        others = [a for a in arms if a not in adaptive]
+        others = [a for a in arms if a.split("+")[0] not in adaptive]
         concs = sorted({c for _, c in tp})
         lines.append(f"\nT={temp:g}: adaptive arm vs the best other arm, output tok/s (± half the repeats' range)")
         for arm in [a for a in adaptive if a in arms]:

@@ -7,10 +7,15 @@ keys and values as prefix views of larger buffers and writes a pass's new slots 
 buffer is full (or the batch's rows were re-indexed, compacted or joined, which make new tensors anyway) is
 it re-homed into a buffer with room for `max(64, half)` more slots.
 
+Rows have headroom too: the buffers hold `max(4, rows // 4)` spare rows, so requests joining the batch are
+written after the running rows (`extend_rows`) and rows leaving it are filled by rows moved from the end
+(`select_rows` with an index that keeps every row in place or takes it from past the new end): neither copies
+the rows that stay, where a re-homing join or selection copies the whole cache of every layer.
+
 `CausalLM` manipulates the layers' `keys` / `values` directly (row selection, compaction, joins, dropping
-trailing slots); any of those either keeps a prefix view (slicing off trailing slots) or makes a new tensor,
-which the next `update` notices and re-homes. Slots past a view's end are free to overwrite: nothing else
-holds views of them.
+trailing slots); any of those either keeps a prefix view (fewer rows, slicing off trailing slots) or makes a new
+tensor, which the next `update` notices and re-homes. Rows and slots past a view's end are free to overwrite:
+nothing else holds views of them.
 """
 from __future__ import annotations
 
@@ -19,13 +24,18 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 MIN_HEADROOM = 64  # slots added beyond what a re-homed layer needs, at least
+MIN_ROW_HEADROOM = 4  # spare rows beyond what a re-homed layer holds, at least (a quarter of its rows when more)
+
+
+def _row_capacity(rows: int) -> int:
+    return rows + max(MIN_ROW_HEADROOM, rows // 4)
 
 
 def _prefix_of(view: torch.Tensor, buffer: torch.Tensor | None) -> bool:
-    """Whether `view` is buffer[:, :, :n] for some n (same storage start, same strides, same rows and heads)."""
+    """Whether `view` is buffer[:m, :, :n] for some m, n (same storage start, same strides and heads)."""
     return (buffer is not None and view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
-            and view.shape[:2] == buffer.shape[:2] and view.shape[3] == buffer.shape[3]
-            and view.stride() == buffer.stride())
+            and view.shape[0] <= buffer.shape[0] and view.shape[1] == buffer.shape[1]
+            and view.shape[3] == buffer.shape[3] and view.stride() == buffer.stride())
 
 
 class HeadroomLayer(DynamicLayer):
@@ -45,13 +55,13 @@ class HeadroomLayer(DynamicLayer):
         length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         capacity = need + max(MIN_HEADROOM, need // 2)
         rows, heads, dim_k, dim_v = like_k.shape[0], like_k.shape[1], like_k.shape[3], like_v.shape[3]
-        kbuf = like_k.new_empty(rows, heads, capacity, dim_k)
-        vbuf = like_v.new_empty(rows, like_v.shape[1], capacity, dim_v)
+        kbuf = like_k.new_empty(_row_capacity(rows), heads, capacity, dim_k)
+        vbuf = like_v.new_empty(_row_capacity(rows), like_v.shape[1], capacity, dim_v)
         if length:
-            kbuf[:, :, :length] = self.keys
-            vbuf[:, :, :length] = self.values
+            kbuf[:rows, :, :length] = self.keys
+            vbuf[:rows, :, :length] = self.values
         self._kbuf, self._vbuf = kbuf, vbuf
-        self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
+        self.keys, self.values = kbuf[:rows, :, :length], vbuf[:rows, :, :length]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,14 +70,18 @@ class HeadroomLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         need = length + key_states.shape[-2]
-        fits = (_prefix_of(self.keys, self._kbuf) and _prefix_of(self.values, self._vbuf)
-                and need <= self._kbuf.shape[-2] and self._kbuf.shape[0] == key_states.shape[0])
+        rows = key_states.shape[0]
+        fits = self._holds_views() and need <= self._kbuf.shape[-2] and self.keys.shape[0] == rows
         if not fits:
             self._rehome(need, key_states, value_states)
-        self._kbuf[:, :, length:need] = key_states
-        self._vbuf[:, :, length:need] = value_states
-        self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
+        self._kbuf[:rows, :, length:need] = key_states
+        self._vbuf[:rows, :, length:need] = value_states
+        self.keys, self.values = self._kbuf[:rows, :, :need], self._vbuf[:rows, :, :need]
         return self.keys, self.values
+
+    def _holds_views(self) -> bool:
+        """Whether keys / values are still prefix views of this layer's buffers."""
+        return _prefix_of(self.keys, self._kbuf) and _prefix_of(self.values, self._vbuf)
 
     def reset(self) -> None:
         super().reset()
@@ -77,15 +91,28 @@ class HeadroomLayer(DynamicLayer):
     def _fresh(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.keys, self.values
         capacity = width + max(MIN_HEADROOM, width // 2)
-        self._kbuf = k.new_empty(rows, k.shape[1], capacity, k.shape[3])
-        self._vbuf = v.new_empty(rows, v.shape[1], capacity, v.shape[3])
-        return self._kbuf[:, :, :width], self._vbuf[:, :, :width]
+        self._kbuf = k.new_empty(_row_capacity(rows), k.shape[1], capacity, k.shape[3])
+        self._vbuf = v.new_empty(_row_capacity(rows), v.shape[1], capacity, v.shape[3])
+        return self._kbuf[:rows, :, :width], self._vbuf[:rows, :, :width]
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the rows `index` (in that order), copied once into a buffer with room to grow."""
+        """Keep the rows `index` (in that order). In place when every kept row either stays where it is or comes
+        from past the new end (rows leaving, filled from the end: only the moved rows are copied); otherwise
+        copied once into a buffer with room to grow."""
         if self.keys is None or self.keys.dim() != 4:
             return
-        keys, values = self._fresh(len(index), self.keys.shape[2])
+        rows, width = len(index), self.keys.shape[2]
+        picks = index.tolist()
+        if self._holds_views() and all(i == j or i >= rows for j, i in enumerate(picks)):
+            moved = [(j, i) for j, i in enumerate(picks) if i != j]
+            if moved:  # destinations and sources are disjoint rows of the buffer
+                dst = torch.tensor([j for j, _ in moved], device=index.device)
+                src = torch.tensor([i for _, i in moved], device=index.device)
+                self._kbuf[dst, :, :width] = self._kbuf[src, :, :width]
+                self._vbuf[dst, :, :width] = self._vbuf[src, :, :width]
+            self.keys, self.values = self._kbuf[:rows, :, :width], self._vbuf[:rows, :, :width]
+            return
+        keys, values = self._fresh(rows, width)
         torch.index_select(self.keys, 0, index, out=keys)
         torch.index_select(self.values, 0, index, out=values)
         self.keys, self.values = keys, values
@@ -122,6 +149,28 @@ class HeadroomLayer(DynamicLayer):
         if not self.is_initialized:
             self.is_initialized = True
             self.device = like_k.device
+
+
+    def extend_rows(self, keys: torch.Tensor | None, values: torch.Tensor | None, rows: int, width: int) -> None:
+        """Append `rows` rows (their keys / values, None for rows that never ran a pass) after this layer's rows,
+        every row padded with zero slots to `width`. In place when the buffers have the spare rows and slots
+        (only the new rows and the widened slots are written); otherwise re-homed with `stack_rows`."""
+        if self.keys is None or self.keys.dim() != 4:
+            raise ValueError("extend_rows needs a layer that has run a pass")
+        mine, have = self.keys.shape[0], self.keys.shape[2]
+        if not (self._holds_views() and mine + rows <= self._kbuf.shape[0] and have <= width <= self._kbuf.shape[2]):
+            self.stack_rows([(self.keys, self.values, mine), (keys, values, rows)], width)
+            return
+        for buf in (self._kbuf, self._vbuf):
+            buf[:mine, :, have:width] = 0  # padding slots are masked; zeros keep them finite
+        used = 0 if keys is None else keys.shape[2]
+        if keys is not None:
+            self._kbuf[mine : mine + rows, :, :used] = keys
+            self._vbuf[mine : mine + rows, :, :used] = values
+        self._kbuf[mine : mine + rows, :, used:width] = 0
+        self._vbuf[mine : mine + rows, :, used:width] = 0
+        total = mine + rows
+        self.keys, self.values = self._kbuf[:total, :, :width], self._vbuf[:total, :, :width]
 
 
 def new_cache(config: PretrainedConfig) -> DynamicCache:

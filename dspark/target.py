@@ -178,7 +178,14 @@ class CausalLM:
         pad = torch.nn.functional.pad
         valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
                            pad(other.valid, (0, width - other.valid.shape[1]))], 0)
-        if self.cache is not None or other.cache is not None:
+        if self.cache is not None and all(isinstance(layer, HeadroomLayer) and layer.keys is not None
+                                          and layer.keys.dim() == 4 for layer in self.cache.layers):
+            # in place where the layers have spare rows and slots: only the joining rows are written
+            for i, layer in enumerate(self.cache.layers):
+                theirs = other.cache.layers[i] if other.cache is not None else None
+                layer.extend_rows(None if theirs is None else theirs.keys, None if theirs is None else theirs.values,
+                                  other.batch_size, width)
+        elif self.cache is not None or other.cache is not None:
             ref = self.cache if self.cache is not None else other.cache
             merged = new_cache(self.model.config)
             for i, layer in enumerate(merged.layers):

@@ -389,7 +389,7 @@ def test_the_rate_guard_switches_drafting_off_by_whole_steps_and_stays_lossless(
 
     engine = Engine(bundled_target, dspark_drafter, "dspark", uniform_cost_model(drafter_gamma(dspark_drafter)),
                     EngineConfig(max_running=8))
-    engine.rate_guard = RateGuard(window_seconds=1e-9, min_steps=1, max_gap=1)
+    engine.rate_guard = RateGuard(window_seconds=1e-9, min_steps=1, max_gap=1, settle_seconds=0.0)
     engine.scheduler.UNSURE_GAIN = 1e9  # always unsure: the guard keeps exploring
     seen = []
     propose = dspark_drafter.propose

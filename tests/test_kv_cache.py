@@ -11,8 +11,8 @@ from tests.conftest import tiny_qwen3
 
 
 def script(lm: CausalLM, seed: int) -> list[torch.Tensor]:
-    """Uneven appends, rollbacks, a row leaving, new rows joining from a second wrapper, a compaction:
-    the logits of every pass."""
+    """Uneven appends, rollbacks, rows leaving (re-indexed, and filled from the end), new rows joining from a
+    second wrapper (narrower and wider than the batch), a compaction: the logits of every pass."""
     gen = torch.Generator().manual_seed(seed)
 
     def toks(n: int) -> list[int]:
@@ -33,8 +33,15 @@ def script(lm: CausalLM, seed: int) -> list[torch.Tensor]:
             side.reset(2)
             side.forward([toks(4), toks(11)])
             lm.extend(side.take([1, 0]))
+        if step == 7:  # row 1 leaves and the last row takes its place
+            lm.select([0, lm.batch_size - 1, *range(2, lm.batch_size - 1)])
         if step == 8:
             lm.compact()
+        if step == 10:  # a prompt wider than the batch joins
+            side = lm.empty_like()
+            side.reset(1)
+            side.forward([toks(lm.valid.shape[1] + 7)])
+            lm.extend(side)
     return outs
 
 
@@ -66,20 +73,29 @@ def test_passes_write_into_spare_capacity_and_batch_edits_copy_once():
     lm.truncate([5, 6])  # trailing slots dropped: still a prefix view, the next pass overwrites them
     lm.forward([[8], [9]])
     assert layer._kbuf is buffer
-    lm.select([1])  # rows re-indexed: copied once into a new buffer, which the next pass appends to
-    selected = layer._kbuf
-    assert selected is not buffer and selected.shape[0] == 1 and layer.keys.data_ptr() == selected.data_ptr()
+    lm.select([1])  # the first row leaves, the last takes its place: in place, only the moved row is copied
+    assert layer._kbuf is buffer and layer.keys.shape[0] == 1 and layer.keys.data_ptr() == buffer.data_ptr()
     lm.forward([[10]])
-    assert layer._kbuf is selected
+    assert layer._kbuf is buffer
     side = lm.empty_like()
     side.reset(1)
     side.forward([[1, 2]])
-    lm.extend(side)  # a join: both sides copied once into a new buffer (of a new layer object)
-    layer = lm.cache.layers[0]
-    joined = layer._kbuf
-    assert joined.shape[0] == 2 and layer.keys.data_ptr() == joined.data_ptr()
+    lm.extend(side)  # a join into the spare rows: in place, only the joining row is written
+    assert lm.cache.layers[0] is layer and layer._kbuf is buffer and layer.keys.shape[0] == 2
     lm.forward([[3], [4]])
-    assert layer._kbuf is joined
+    assert layer._kbuf is buffer
+    lm.select([1, 0])  # rows re-ordered: copied once into a new buffer, which the next pass appends to
+    selected = layer._kbuf
+    assert selected is not buffer and layer.keys.data_ptr() == selected.data_ptr()
+    lm.forward([[5], [6]])
+    assert layer._kbuf is selected
+    crowd = lm.empty_like()
+    crowd.reset(selected.shape[0])
+    crowd.forward([[1]] * selected.shape[0])
+    lm.extend(crowd)  # more rows than the spare ones: re-homed into a larger buffer
+    joined = layer._kbuf
+    assert joined is not selected and joined.shape[0] > lm.batch_size and layer.keys.data_ptr() == joined.data_ptr()
+    layer = lm.cache.layers[0]
     lm.compact()  # a compaction gathers into a new buffer
     assert layer._kbuf is not joined and layer.keys.data_ptr() == layer._kbuf.data_ptr()
 

@@ -9,14 +9,22 @@ from dspark.engine.rate_guard import RateGuard
 
 
 def simulate(guard: RateGuard, rate: dict[bool, float], steps: int = 4000, rows: int = 64, noise: float = 0.0,
-             unsure: bool = True, seed: int = 0) -> tuple[float, float]:
+             unsure: bool = True, seed: int = 0, transient: dict[bool, tuple[float, float]] | None = None
+             ) -> tuple[float, float]:
     """Feed the guard steps of 0.1 s whose committed tokens follow each mode's true rate (± noise per step);
-    return (share of time spent drafting, achieved tokens / s)."""
+    for transient[mode][0] seconds after a switch into `mode` it runs at transient[mode][1] × its rate. Return
+    (share of time spent drafting, achieved tokens / s)."""
     rng = random.Random(seed)
     seconds = tokens = drafting_time = 0.0
+    mode, since_switch = guard.drafting, 0.0
     for _ in range(steps):
         step = 0.1
-        got = rate[guard.drafting] * step * (1 + rng.uniform(-noise, noise))
+        if guard.drafting != mode:
+            mode, since_switch = guard.drafting, 0.0
+        length, factor = (transient or {}).get(mode, (0.0, 1.0))
+        slow = factor if since_switch < length else 1.0
+        since_switch += step
+        got = rate[guard.drafting] * slow * step * (1 + rng.uniform(-noise, noise))
         drafting_time += step if guard.drafting else 0.0
         seconds += step
         tokens += got
@@ -39,6 +47,17 @@ def test_noisy_windows_still_settle_on_the_faster_mode():
     for seed in range(5):
         share, _ = simulate(RateGuard(), {True: 500.0, False: 550.0}, noise=0.3, seed=seed)
         assert share < 0.25, seed
+
+
+def test_the_transient_after_a_switch_does_not_decide():
+    """A switch into plain decoding costs its first second 40% of its rate (a plain window inherits drafting's
+    queue of prompts to prefill): counted, plain decoding's windows look slower than drafting's; the guard
+    compares the steady rates and settles on plain decoding."""
+    slow_start = {False: (1.0, 0.6)}
+    share, _ = simulate(RateGuard(), {True: 500.0, False: 560.0}, transient=slow_start)
+    assert share < 0.2
+    share, _ = simulate(RateGuard(settle_seconds=0.0), {True: 500.0, False: 560.0}, transient=slow_start)
+    assert share > 0.5  # counting the transient, the guard keeps drafting
 
 
 def test_a_confident_cost_model_pays_for_no_plain_window():
@@ -69,7 +88,7 @@ def test_a_window_needs_its_time_and_its_steps_and_an_idle_one_is_dropped():
 
 
 @pytest.mark.parametrize("bad", [dict(window_seconds=0), dict(min_steps=0), dict(margin=1.0), dict(smoothing=0),
-                                 dict(max_gap=0)])
+                                 dict(max_gap=0), dict(settle_seconds=-1)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="RateGuard"):
         RateGuard(**bad)

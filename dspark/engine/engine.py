@@ -665,7 +665,13 @@ class Engine:
         if not rows:
             return
         gone = set(rows)
-        keep = [r for r in range(len(self.running)) if r not in gone]
+        # rows from the end fill the leavers' places: the caches copy only the moved rows, not every row after
+        # the first leaver (row order carries no meaning: every row is its own request)
+        left = len(self.running) - len(gone)
+        keep = list(range(left))
+        movers = [r for r in range(left, len(self.running)) if r not in gone]
+        for hole, mover in zip((r for r in range(left) if r in gone), movers):
+            keep[hole] = mover
         leaving = [self.running[r] for r in rows]
         self.target.select(keep)
         self.drafter.select(keep)
