@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -115,13 +116,23 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def request_length(args, seed: int) -> int:
+    """Output tokens of the request with this seed: --max-tokens, or with --length-spread s drawn uniformly from
+    [(1 - s)·max_tokens, (1 + s)·max_tokens] by the seed, so every arm serves the same lengths."""
+    spread = getattr(args, "length_spread", 0.0)
+    if not spread:
+        return args.max_tokens
+    low, high = round((1 - spread) * args.max_tokens), round((1 + spread) * args.max_tokens)
+    return random.Random(seed).randint(max(1, low), max(1, high))
+
+
 async def one_request(client, model: str, prompt: str, args, temperature: float, seed: int) -> dict:
     """One streaming chat completion; returns its start, first-token and end times and token count."""
     start = time.perf_counter()
     first = None
     tokens = 0
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=request_length(args, seed),
         temperature=temperature, seed=seed, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True})
     async for chunk in stream:
@@ -374,6 +385,9 @@ def main() -> int:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--requests-per-client", type=int, default=3, help="the first is warm-up")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--length-spread", type=float, default=0.0,
+                    help="requests ask for lengths uniform in max_tokens·[1 - s, 1 + s] (the same per seed in every "
+                         "arm); 0: all exactly max_tokens, which keeps requests that start together finishing together")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=40, help="held-out prompts per domain")
     ap.add_argument("--drafter", default="dspark")

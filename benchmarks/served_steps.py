@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> dict:
             log, steps_path = out / f"server_{name}.log", out / f"steps_{name}_c{conc}.jsonl"
             sweep_args = argparse.Namespace(drafter=args.drafter, concurrency=[conc], profile=args.profile,
                                             device="cpu", dtype=args.dtype, max_tokens=args.max_tokens,
+                                            length_spread=args.length_spread,
                                             requests_per_client=args.requests_per_client)
             base = f"http://127.0.0.1:{args.port + i}"
             proc = start_server(arm, args.port + i, sweep_args, log, extra=["--step-log", str(steps_path)])
@@ -169,6 +170,7 @@ def main() -> int:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[16, 32])
     ap.add_argument("--requests-per-client", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--length-spread", type=float, default=0.0, help="as in serve_sweep.py")
     ap.add_argument("--drafter", default="dspark")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--port", type=int, default=8190)

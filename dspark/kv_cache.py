@@ -28,7 +28,7 @@ MIN_ROW_HEADROOM = 4  # spare rows beyond what a re-homed layer holds, at least 
 
 
 def _row_capacity(rows: int) -> int:
-    return rows + max(MIN_ROW_HEADROOM, rows // 4)
+    return rows + max(MIN_ROW_HEADROOM, rows // 4) if rows else 0  # an empty batch holds no memory
 
 
 def _prefix_of(view: torch.Tensor, buffer: torch.Tensor | None) -> bool:
@@ -103,7 +103,9 @@ class HeadroomLayer(DynamicLayer):
             return
         rows, width = len(index), self.keys.shape[2]
         picks = index.tolist()
-        if self._holds_views() and all(i == j or i >= rows for j, i in enumerate(picks)):
+        # in place unless the batch shrank to under half its buffer's rows (then the copy gives memory back)
+        if (self._holds_views() and 2 * rows >= self._kbuf.shape[0]
+                and all(i == j or i >= rows for j, i in enumerate(picks))):
             moved = [(j, i) for j, i in enumerate(picks) if i != j]
             if moved:  # destinations and sources are disjoint rows of the buffer
                 dst = torch.tensor([j for j, _ in moved], device=index.device)

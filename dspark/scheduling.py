@@ -432,7 +432,7 @@ class Scheduler:
     #: weight of a drafted step's mean survival row in the typical row that gates probes
     SURVIVAL_SMOOTHING = 0.05
     #: expected relative gain of drafting below which the policy calls itself unsure (`unsure`)
-    UNSURE_GAIN = 0.25
+    UNSURE_GAIN = 0.5
 
     def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
         self.spec = spec

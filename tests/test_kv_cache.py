@@ -60,34 +60,34 @@ def test_in_place_layers_give_the_logits_of_concatenating_ones(monkeypatch):
 def test_passes_write_into_spare_capacity_and_batch_edits_copy_once():
     model = tiny_qwen3()
     lm = CausalLM(model)
-    lm.reset(2)
-    lm.forward([[1, 2, 3], [4]])
+    lm.reset(8)
+    lm.forward([[1, 2, 3]] + [[4]] * 7)
     layer = lm.cache.layers[0]
     assert isinstance(layer, HeadroomLayer)
     buffer = layer._kbuf
-    assert buffer.shape[2] >= layer.keys.shape[2] + 64  # room to grow
+    assert buffer.shape[2] >= layer.keys.shape[2] + 64 and buffer.shape[0] >= 8 + 4  # room to grow
     for _ in range(5):
-        lm.forward([[5], [6, 7]])
+        lm.forward([[5]] * 4 + [[6, 7]] * 4)
     assert layer._kbuf is buffer and layer.keys.data_ptr() == buffer.data_ptr()  # appended in place
     assert layer.keys.shape[2] == 3 + 5 * 2
-    lm.truncate([5, 6])  # trailing slots dropped: still a prefix view, the next pass overwrites them
-    lm.forward([[8], [9]])
+    lm.truncate([5, 6] * 4)  # trailing slots dropped: still a prefix view, the next pass overwrites them
+    lm.forward([[8]] * 8)
     assert layer._kbuf is buffer
-    lm.select([1])  # the first row leaves, the last takes its place: in place, only the moved row is copied
-    assert layer._kbuf is buffer and layer.keys.shape[0] == 1 and layer.keys.data_ptr() == buffer.data_ptr()
-    lm.forward([[10]])
+    lm.select([0, 7, 2, 3, 4, 5, 6])  # row 1 leaves, the last takes its place: in place, one row moved
+    assert layer._kbuf is buffer and layer.keys.shape[0] == 7 and layer.keys.data_ptr() == buffer.data_ptr()
+    lm.forward([[10]] * 7)
     assert layer._kbuf is buffer
     side = lm.empty_like()
     side.reset(1)
     side.forward([[1, 2]])
     lm.extend(side)  # a join into the spare rows: in place, only the joining row is written
-    assert lm.cache.layers[0] is layer and layer._kbuf is buffer and layer.keys.shape[0] == 2
-    lm.forward([[3], [4]])
+    assert lm.cache.layers[0] is layer and layer._kbuf is buffer and layer.keys.shape[0] == 8
+    lm.forward([[3]] * 8)
     assert layer._kbuf is buffer
-    lm.select([1, 0])  # rows re-ordered: copied once into a new buffer, which the next pass appends to
+    lm.select([1, 0, 2, 3, 4, 5, 6, 7])  # rows re-ordered: copied once into a new buffer, which passes append to
     selected = layer._kbuf
     assert selected is not buffer and layer.keys.data_ptr() == selected.data_ptr()
-    lm.forward([[5], [6]])
+    lm.forward([[5]] * 8)
     assert layer._kbuf is selected
     crowd = lm.empty_like()
     crowd.reset(selected.shape[0])
@@ -98,6 +98,10 @@ def test_passes_write_into_spare_capacity_and_batch_edits_copy_once():
     layer = lm.cache.layers[0]
     lm.compact()  # a compaction gathers into a new buffer
     assert layer._kbuf is not joined and layer.keys.data_ptr() == layer._kbuf.data_ptr()
+    lm.select(list(range(3)))  # the batch shrinks under half its buffer: copied, giving the memory back
+    assert layer._kbuf.shape[0] < joined.shape[0] // 2
+    lm.select([])
+    assert layer._kbuf.numel() == 0  # an empty batch holds no KV memory
 
 
 def test_new_cache_keeps_sliding_window_layers_as_they_are():
