@@ -9,7 +9,7 @@ from dspark.engine.rate_guard import RateGuard
 
 
 def simulate(guard: RateGuard, rate: dict[bool, float], steps: int = 4000, rows: int = 64, noise: float = 0.0,
-             unsure: bool = True, seed: int = 0, transient: dict[bool, tuple[float, float]] | None = None
+             unsure: bool = True, seed: int = 0, greedy: float = 0.0, transient: dict[bool, tuple[float, float]] | None = None
              ) -> tuple[float, float]:
     """Feed the guard steps of 0.1 s whose committed tokens follow each mode's true rate (± noise per step);
     for transient[mode][0] seconds after a switch into `mode` it runs at transient[mode][1] × its rate. Return
@@ -28,7 +28,7 @@ def simulate(guard: RateGuard, rate: dict[bool, float], steps: int = 4000, rows:
         drafting_time += step if guard.drafting else 0.0
         seconds += step
         tokens += got
-        guard.record(step, int(round(got)), rows, unsure)
+        guard.record(step, int(round(got)), rows, unsure, greedy)
     return drafting_time / seconds, tokens / seconds
 
 
@@ -73,6 +73,20 @@ def test_loads_are_judged_apart():
     assert guard.rates(2)[True] > guard.rates(2)[False] and guard.rates(64)[False] > guard.rates(64)[True]
     share, _ = simulate(guard, {True: 300.0, False: 100.0}, rows=2, steps=1000)
     assert share > 0.9  # back at the light load, drafting is still the choice there
+
+
+def test_greedy_and_sampled_loads_are_judged_apart():
+    """Sampled requests (plain decoding faster) and greedy ones (drafting faster) take turns at the same
+    number of rows, 60 s each: what the guard learnt of one does not decide for the other."""
+    guard = RateGuard()
+    shares = {0.0: [], 1.0: []}
+    for turn in range(6):
+        greedy = float(turn % 2)
+        rate = {True: 500.0, False: 600.0} if greedy == 0.0 else {True: 900.0, False: 600.0}
+        shares[greedy].append(simulate(guard, rate, steps=600, greedy=greedy)[0])
+    assert all(share < 0.35 for share in shares[0.0][1:]) and all(share > 0.8 for share in shares[1.0][1:])
+    assert guard.rates(64, 0.0)[False] > guard.rates(64, 0.0)[True]
+    assert guard.rates(64, 1.0)[True] > guard.rates(64, 1.0)[False]
 
 
 def test_a_window_needs_its_time_and_its_steps_and_an_idle_one_is_dropped():

@@ -218,7 +218,7 @@ class Engine:
         self._draft_pause = 0  # rounds left without drafting
         self.rate_guard = RateGuard() if self.scheduler.adaptive and self.config.rate_guard else None
         self._committed = 0  # tokens committed so far (the rate guard's counts)
-        self._last_step: tuple[float, float, int, int] | None = None  # (start, seconds, committed, rows)
+        self._last_step: tuple[float, float, int, int, float] | None = None  # start, seconds, committed, rows, greedy
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, request: Request) -> None:
@@ -295,8 +295,10 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(info)
         self._last_round = (start, info.seconds) if info is not None else None
-        self._last_step = (start, time.perf_counter() - start, self._committed - committed, info.batch) \
-            if info is not None else None
+        self._last_step = None
+        if info is not None:
+            greedy = sum(req.sampling.greedy for req in self.running) / len(self.running) if self.running else 0.0
+            self._last_step = (start, time.perf_counter() - start, self._committed - committed, info.batch, greedy)
         self.steps += 1
         return merge_outputs(outputs)
 
@@ -320,12 +322,12 @@ class Engine:
         if last is None:
             guard.discard()
             return
-        started, seconds, tokens, rows = last
+        started, seconds, tokens, rows, greedy = last
         period = now - started
         if period >= 10 * seconds + 1.0:  # idle in between, as for the overhead
             guard.discard()
             return
-        guard.record(period, tokens, rows, unsure=self.scheduler.unsure)
+        guard.record(period, tokens, rows, unsure=self.scheduler.unsure, greedy=greedy)
 
     def _reservation(self, request: Request) -> int:
         return len(request.prompt_ids) + request.max_tokens + self.gamma + 1

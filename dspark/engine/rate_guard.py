@@ -10,8 +10,10 @@ It runs windows of at least `window_seconds` and `min_steps` steps, each in one 
 decides, or no drafting at all), after `settle_seconds` in that mode that it does not count: a switch leaves
 the other mode's transient behind it (drafting steps finish requests three times as fast as plain ones, so a
 plain window that follows drafting inherits a queue of prompts to prefill), and what is compared is each
-mode's steady rate. It keeps an exponentially smoothed rate per mode and per load (the window's mean
-running rows, in power-of-two buckets), and exploits the faster mode. It explores the other mode for one window
+mode's steady rate. It keeps an exponentially smoothed rate per mode and per load, and exploits the faster
+mode. A load is the window's mean running rows (power-of-two buckets) and its share of greedy rows (none,
+mixed, all): greedy and sampled requests accept drafts at very different rates, so what was learnt on one
+does not decide for the other. It explores the other mode for one window
 after `gap` exploiting windows; the gap doubles (up to `max_gap`) each time exploring confirms the choice, and
 falls back to 1 when it overturns it. While drafting is exploited it explores only when the caller says the
 model is unsure (its expected gain of drafting is small); at large predicted gains no plain window is paid.
@@ -62,29 +64,33 @@ class RateGuard:
         self._tokens = 0
         self._steps = 0
         self._row_sum = 0
+        self._greedy_sum = 0.0
         self.windows = 0
         self.plain_windows = 0
 
     @staticmethod
-    def bucket(rows: float) -> int:
-        """The load bucket of a window's mean running rows (powers of two)."""
-        return int(round(math.log2(max(rows, 1.0))))
+    def bucket(rows: float, greedy: float = 0.0) -> tuple[int, int]:
+        """The load of a window: its mean running rows in powers of two, and its greedy share as 0 (no greedy
+        row), 1 (mixed) or 2 (all greedy)."""
+        mix = 0 if greedy <= 0.1 else 2 if greedy >= 0.9 else 1
+        return int(round(math.log2(max(rows, 1.0)))), mix
 
-    def rates(self, rows: float) -> dict[bool, float]:
+    def rates(self, rows: float, greedy: float = 0.0) -> dict[bool, float]:
         """The smoothed rates (tokens / s) known at this load, by mode (True: drafting)."""
-        load = self._loads.get(self.bucket(rows))
+        load = self._loads.get(self.bucket(rows, greedy))
         return dict(load.rate) if load is not None else {}
 
     def discard(self) -> None:
         """Drop the window in progress (the engine went idle: its time is not the mode's)."""
-        self._seconds, self._tokens, self._steps, self._row_sum = 0.0, 0, 0, 0
+        self._seconds, self._tokens, self._steps, self._row_sum, self._greedy_sum = 0.0, 0, 0, 0, 0.0
 
-    def record(self, seconds: float, tokens: int, rows: int, unsure: bool = True) -> None:
+    def record(self, seconds: float, tokens: int, rows: int, unsure: bool = True, greedy: float = 0.0) -> None:
         """One finished step in the current mode: its period (start to the next step's start), the tokens it
-        committed and its running rows. unsure: whether the cost model's expected gain of drafting is small
-        enough that measuring plain decoding is worth a window."""
-        if seconds < 0 or tokens < 0 or rows < 0:
-            raise ValueError(f"a step cannot take {seconds} s, commit {tokens} tokens or run {rows} rows")
+        committed, its running rows and their greedy share. unsure: whether the cost model's expected gain of
+        drafting is small enough that measuring plain decoding is worth a window."""
+        if seconds < 0 or tokens < 0 or rows < 0 or not 0 <= greedy <= 1:
+            raise ValueError(f"a step cannot take {seconds} s, commit {tokens} tokens, run {rows} rows or have a "
+                             f"greedy share of {greedy}")
         if self._settle > 0:
             self._settle -= seconds
             return
@@ -92,10 +98,12 @@ class RateGuard:
         self._tokens += tokens
         self._steps += 1
         self._row_sum += rows
+        self._greedy_sum += greedy
         if self._seconds < self.window_seconds or self._steps < self.min_steps:
             return
         rate = self._tokens / self._seconds if self._seconds > 0 else 0.0
-        load = self._loads.setdefault(self.bucket(self._row_sum / self._steps), _Load())
+        load = self._loads.setdefault(self.bucket(self._row_sum / self._steps, self._greedy_sum / self._steps),
+                                      _Load())
         mode = self.drafting
         old = load.rate.get(mode)
         load.rate[mode] = rate if old is None else old + self.smoothing * (rate - old)
