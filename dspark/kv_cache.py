@@ -152,7 +152,6 @@ class HeadroomLayer(DynamicLayer):
             self.is_initialized = True
             self.device = like_k.device
 
-
     def extend_rows(self, keys: torch.Tensor | None, values: torch.Tensor | None, rows: int, width: int) -> None:
         """Append `rows` rows (their keys / values, None for rows that never ran a pass) after this layer's rows,
         every row padded with zero slots to `width`. In place when the buffers have the spare rows and slots

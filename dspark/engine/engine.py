@@ -284,7 +284,7 @@ class Engine:
         self._drop_cancelled(outputs)
         self._admit()
         prefill_start = time.perf_counter()
-        self._join_seconds = self._prefill_slots = 0
+        self._join_seconds, self._prefill_slots = 0.0, 0
         prefill_tokens = self._prefill(outputs)
         prefill_seconds = time.perf_counter() - prefill_start
         info = self._decode_round(outputs) if self.running else None
@@ -302,6 +302,11 @@ class Engine:
         self.steps += 1
         return merge_outputs(outputs)
 
+    @staticmethod
+    def _idle_between(period: float, step_seconds: float) -> bool:
+        """Whether the time from one step's start to the next was idleness rather than that step's work."""
+        return period >= 10 * step_seconds + 1.0
+
     def _observe_overhead(self, now: float) -> None:
         """Teach the cost model what the last step cost outside its round (its prefill, bookkeeping and the
         wait until this step), when it ran a round and the engine did not go idle in between."""
@@ -310,7 +315,7 @@ class Engine:
             return
         started, round_seconds = last
         period = now - started
-        if period < 10 * round_seconds + 1.0:  # a longer wait is idleness, not overhead
+        if not self._idle_between(period, round_seconds):
             self.cost_model.observe_overhead(max(0.0, period - round_seconds))
 
     def _observe_rate(self, now: float) -> None:
@@ -324,7 +329,7 @@ class Engine:
             return
         started, seconds, tokens, rows, greedy = last
         period = now - started
-        if period >= 10 * seconds + 1.0:  # idle in between, as for the overhead
+        if self._idle_between(period, seconds):
             guard.discard()
             return
         guard.record(period, tokens, rows, unsure=self.scheduler.unsure, greedy=greedy)
@@ -410,15 +415,16 @@ class Engine:
         done = [r for r, req in enumerate(self.prefilling) if chunks[r] and req.prefilled == len(req.prompt_ids)]
         if done:
             join_start = time.perf_counter()
-            self._join(done, out.logits, [0] * len(done), outputs)
+            self._join(done, out.logits, outputs)
             self._join_seconds = time.perf_counter() - join_start
         return fed
 
-    def _join(self, done: list[int], logits: torch.Tensor, last: list[int], outputs: list[RequestOutput]) -> None:
-        """Move prefilled rows into the batch with their first token (logits[r, last[r]] of prefilling row r)."""
+    def _join(self, done: list[int], logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        """Move prefilled rows into the batch with their first token (logits [R, 1, V]: each prefilling row's
+        last prompt token)."""
         joining = [self.prefilling[r] for r in done]
         pick = torch.tensor(done, device=logits.device)
-        first_logits = logits[pick, torch.tensor(last, device=logits.device)].unsqueeze(1)  # [J, 1, V]
+        first_logits = logits[pick]  # [J, 1, V]
         params = [req.sampling for req in joining]
         nothing = torch.zeros(len(joining), 0, dtype=torch.long, device=logits.device)
         first = verify(first_logits, nothing, torch.zeros(len(joining), dtype=torch.long, device=logits.device), None,
