@@ -22,6 +22,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from dspark.step_overhead import StepOverhead
+
 POLICIES = ("none", "fixed:K", "threshold:θ", "batch-table[:B=K,...]", "dspark", "dspark-async")
 LAYOUTS = ("padded", "ragged")
 
@@ -59,15 +61,16 @@ class CostModel:
     #: measurements after which a step kind or cell counts as stale and follows the level above it
     stale_after: int = 32
     #: online correction, in log(measured / table): a machine-wide level; per step kind (drafted / plain)
-    #: its mean, the level and the measurement count when it was last measured; per cell its mean, its
-    #: kind's correction and the count then
+    #: its mean, the level and the measurement count when it was last measured, and its own count; per cell
+    #: its mean, its kind's correction and the count then
     _level: float = field(default=0.0, repr=False)
     _count: int = field(default=0, repr=False)
     _kinds: dict[str, tuple[float, float, int]] = field(default_factory=dict, repr=False)
     _cells: dict[tuple, tuple[float, float, int]] = field(default_factory=dict, repr=False)
     #: seconds every step pays outside its round (prefill chunk, bookkeeping, the wait before the next step),
-    #: learned online (`observe_overhead`); added to drafted and plain costs alike
-    overhead: float = field(default=0.0, repr=False)
+    #: learned online (`observe_overhead`) as a + c·B + b·T; its fixed part a + c·B is added to drafted and plain
+    #: costs alike (the per-token part b·T cannot change a decision, see `dspark.step_overhead`)
+    overhead: StepOverhead = field(default_factory=StepOverhead, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -119,10 +122,10 @@ class CostModel:
         """Seconds of drafted steps with `batch` requests for each entry of `tokens` (vectorised)."""
         base, idx = self._base_many(batch, tokens)
         if not self._cells:
-            return base * self._scale(None, "d") + self.overhead
+            return base * self._scale(None, "d") + self.overhead.fixed(batch)
         b, _ = self._row_for(batch)
         scale = np.array([self._scale(("d", b, int(i)), "d") for i in np.atleast_1d(idx)])
-        return base * scale.reshape(base.shape) + self.overhead
+        return base * scale.reshape(base.shape) + self.overhead.fixed(batch)
 
     def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """The largest query-token count that costs the same as each entry of `tokens` (its profiled cell's
@@ -150,12 +153,12 @@ class CostModel:
     def plain_cost(self, batch: int) -> float:
         """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
         b, factor = self._plain_key(batch)
-        return self.plain[b] * factor * self._scale(("p", b), "p") + self.overhead
+        return self.plain[b] * factor * self._scale(("p", b), "p") + self.overhead.fixed(batch)
 
-    def observe_overhead(self, seconds: float) -> None:
-        """Fold one step's time outside its round into `overhead` (an exponentially forgetting mean)."""
-        if math.isfinite(seconds) and seconds >= 0:
-            self.overhead += self.alpha * (seconds - self.overhead)
+    def observe_overhead(self, seconds: float, batch: int, tokens: int, prefill_seconds: float = 0.0) -> None:
+        """Fold one step's time outside its round (`prefill_seconds` of it prefilling new requests), with its
+        rows and committed tokens, into `overhead`."""
+        self.overhead.observe(seconds, batch, tokens, prefill_seconds)
 
     def _scale(self, key: tuple | None, kind: str) -> float:
         """Online correction factor of a cell (see `observe`)."""
@@ -164,7 +167,7 @@ class CostModel:
     def _kind_log(self, kind: str) -> float:
         if kind not in self._kinds:
             return self._level
-        mean, level_then, count = self._kinds[kind]
+        mean, level_then, count, _ = self._kinds[kind]
         return mean if self._count - count <= self.stale_after else mean + (self._level - level_then)
 
     def _cell_log(self, key: tuple | None, kind: str) -> float:
@@ -178,15 +181,17 @@ class CostModel:
     def observe(self, batch: int, tokens: int, seconds: float, drafted: bool) -> None:
         """Fold a measured step time into the model.
 
-        Three exponentially forgetting means of log(measured / table): a machine-wide level over every
-        step, one per step kind (drafted, plain) and one per cell. A kind or cell not measured in the
-        last `stale_after` steps moves with the level above it since its last measurement: a kind with the
-        machine-wide level, a cell with its kind. So a machine that slows down (other load) moves drafted
-        and plain costs alike even while only one kind of step runs (an adaptive policy that stopped
-        drafting measures plain steps only), while kinds and cells measured all along keep their own
-        means, so a change that hits drafting alone moves drafted costs alone. A ratio is clamped to
-        [1/20, 20] so one stall cannot swing the model; after a lasting change the correction is within
-        5% of it after about ten steps.
+        Exponentially forgetting means of log(measured / table): one per step kind (drafted, plain), one per
+        cell, and a machine-wide level. The level follows the first kind measured, then the drift that a
+        kind measured for a while sees; the other kind's first 1 / alpha measurements learn its own offset
+        from the level (a running mean), not drift. A kind not measured yet follows the level; a kind or cell not measured in the last `stale_after`
+        steps moves with the level above it since its last measurement: a kind with the level, a cell with
+        its kind. So a machine that slows down (other load) moves drafted and plain costs alike even while
+        only one kind of step runs, a kind keeps its own offset from the other while it is not measured
+        (serving can inflate drafted rounds more than plain ones), and kinds and cells measured all along
+        keep their own means, so a change that hits drafting alone moves drafted costs alone. A ratio is
+        clamped to [1/20, 20] so one stall cannot swing the model; after a lasting change the correction is
+        within 5% of it after about ten steps.
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
@@ -200,11 +205,27 @@ class CostModel:
         log_ratio = math.log(min(20.0, max(0.05, seconds / table)))
         kind, a = key[0], self.alpha
         cell, kind_now = self._cell_log(key, kind), self._kind_log(kind)
+        seen = self._kinds[kind][3] if kind in self._kinds else 0
+        first_kind = all(k == kind for k in self._kinds)
         self._count += 1
-        self._level += a * (log_ratio - self._level)
-        kind_new = kind_now + a * (log_ratio - kind_now)
-        self._kinds[kind] = (kind_new, self._level, self._count)
+        if first_kind or seen >= 1 / a:  # what a kind measured for a while sees is the machine's drift
+            self._level += a * (log_ratio - kind_now)
+            kind_new = kind_now + a * (log_ratio - kind_now)
+        else:  # another kind's first measurements (a running mean) learn its own offset, not drift
+            kind_new = kind_now + (log_ratio - kind_now) / (seen + 1)
+        self._kinds[kind] = (kind_new, self._level, self._count, seen + 1)
+        if seen == 0 and not first_kind:  # the other kind's first cell starts at its first measurement
+            cell = kind_new
         self._cells[key] = (cell + a * (log_ratio - cell), kind_new, self._count)
+
+    def measured_recently(self, drafted: bool) -> bool:
+        """Whether steps of that kind (drafted or plain) were measured within the last `stale_after` steps."""
+        entry = self._kinds.get("d" if drafted else "p")
+        return entry is not None and self._count - entry[2] <= self.stale_after
+
+    def plain_measured(self, batch: int) -> bool:
+        """Whether a plain step of `batch` requests (its profiled row) has ever been measured."""
+        return ("p", self._plain_key(batch)[0]) in self._cells
 
     # -- (de)serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -424,7 +445,10 @@ class Scheduler:
     Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
     the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload) still
     predicts no gain at the current batch size and costs, so a batch where drafting never pays probes once
-    per `max_backoff` steps.
+    per `max_backoff` steps. An adaptive policy whose online-corrected cost model has measured drafted steps
+    runs one plain step (a plain probe) at a batch size whose plain steps it never measured, and, while
+    `unsure`, when no plain step was measured in the model's last `stale_after` steps: its comparison then
+    reads plain costs as measured under the same load.
     """
 
     #: weight of a drafted step in the smoothed gain
@@ -449,6 +473,7 @@ class Scheduler:
         self._history: deque[dict[int, np.ndarray]] = deque(maxlen=2)
         self.drafted_steps = 0
         self.skipped_steps = 0
+        self.plain_probes = 0
 
     @property
     def needs_survival(self) -> bool:
@@ -486,6 +511,14 @@ class Scheduler:
             self._skip = self._backoff - 1
             self._backoff = min(self.max_backoff, self._backoff * 4)
             self.skipped_steps += 1
+            return False
+        cost = self._last_cost
+        if self.adaptive and cost is not None and cost.measured_recently(True) and (
+                not cost.plain_measured(num_rows) or (self.unsure and not cost.measured_recently(False))):
+            # the online-corrected costs compare measured drafted steps with plain ones never measured at this
+            # batch size, or not lately: one plain step measures them (serving can inflate drafted rounds more
+            # than plain ones)
+            self.plain_probes += 1
             return False
         self._since_probe = 0
         self.drafted_steps += 1

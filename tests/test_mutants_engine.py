@@ -617,20 +617,20 @@ def test_the_engine_teaches_the_cost_model_each_steps_overhead_but_not_idle_time
     the wait until the next step) is the step's overhead; a wait far longer than a round is idleness."""
     cost = uniform_cost_model(gamma=2, batches=(1, 2, 4), per_token=0.01)
     seen = []
-    cost.observe_overhead = seen.append
+    cost.observe_overhead = lambda seconds, rows, tokens, prefill: seen.append((seconds, rows, tokens, prefill))
     engine, infos = make_engine(ScriptedDrafter(gamma=2), "fixed", cost)
     run(engine, [Request([0], max_tokens=12), Request([1], max_tokens=12)])
     # every step after the first ran a round while both rows were running, except after the last round
     assert len(seen) >= len(infos) - 2 > 0
-    assert all(o >= 0 for o in seen)
+    assert all(o >= p >= 0 and rows in (1, 2) and tokens >= rows for o, rows, tokens, p in seen)
     idle = uniform_cost_model(gamma=2, batches=(1, 2, 4), per_token=0.01)
     engine, _ = make_engine(ScriptedDrafter(gamma=2), "fixed", idle)
     engine.add(Request([0], max_tokens=12))
     engine.step()
-    engine._last_round = (engine._last_round[0] - 100.0, engine._last_round[1])  # as if it idled 100 s since
+    engine._last_round = (engine._last_round[0] - 100.0, *engine._last_round[1:])  # as if it idled 100 s since
     engine.step()
-    assert idle.overhead == 0.0
+    assert idle.overhead.steps == 0
     quiet = uniform_cost_model(gamma=2, batches=(1, 2, 4), per_token=0.01)
     engine, _ = make_engine(ScriptedDrafter(gamma=2), "fixed", quiet, online_cost=False)
     run(engine, [Request([0], max_tokens=12)])
-    assert quiet.overhead == 0.0
+    assert quiet.overhead.steps == 0

@@ -21,6 +21,7 @@ from dspark.scheduling import (
     top_capacity,
     uniform_cost_model,
 )
+from dspark.step_overhead import StepOverhead
 
 
 def appendix_a_cost() -> CostModel:
@@ -232,11 +233,13 @@ def test_a_machine_wide_slowdown_does_not_stop_drafting():
     s = Scheduler("dspark", gamma=7)
     a = np.full((4, 7), 0.9).cumprod(1)  # about 5.3 tokens per request and step for 2 plain steps: pays
     for _ in range(30):
-        assert s.wants_drafts(4)
+        if not s.wants_drafts(4):  # a plain probe: plain steps are 3x slower too
+            cost.observe(4, 4, 3 * 1.0, drafted=False)
+            continue
         lengths = s.plan(a, [7] * 4, cost).lengths
         assert sum(lengths) > 0
         cost.observe(4, step_tokens(np.array(lengths), "padded"), 3 * 2.0, drafted=True)
-    assert cost.plain_cost(4) > 2.5 and s.skipped_steps == 0
+    assert cost.plain_cost(4) > 2.5 and s.skipped_steps == 0 and s.drafted_steps >= 28
     # and when plain steps are measured unchanged beside them, drafting alone got 3x dearer: now it stops
     for _ in range(30):
         cost.observe(4, 4, 1.0, drafted=False)
@@ -245,6 +248,68 @@ def test_a_machine_wide_slowdown_does_not_stop_drafting():
     s._backoff, s._skip, s._gain = 4, 0, None
     s.plan(a, [7] * 4, cost)
     assert s._skip > 0
+
+
+def served_world(spec: str, drafted_ratio: float, plain_ratio: float, steps: int = 400) -> tuple[float, float, int]:
+    """An injected clock: 16 requests whose survivals are 0.75^k, a profile in which drafting pays 1.23x, and
+    a served machine on which drafted rounds take `drafted_ratio` and plain rounds `plain_ratio` times the
+    profile. Returns (expected committed tokens per second, share of drafted steps, plain probes)."""
+    shape = dict(gamma=7, batches=(16,), draft_share=1.0, per_token=0.01, layout="padded")
+    table, cost = uniform_cost_model(**shape), uniform_cost_model(**shape)
+    s = Scheduler(spec, gamma=7)
+    a = np.full((16, 7), 0.75).cumprod(1)
+    tokens = seconds = drafted = 0.0
+    for _ in range(steps):
+        if s.wants_drafts(16):
+            lengths = np.array(s.plan(a, [7] * 16, cost).lengths)
+            n = step_tokens(lengths, "padded")
+            took = table.cost(16, n) * drafted_ratio
+            cost.observe(16, n, took, drafted=True)
+            tokens += 16 + sum(a[r, :k].sum() for r, k in enumerate(lengths))
+            drafted += 1
+        else:
+            took = table.plain_cost(16) * plain_ratio
+            cost.observe(16, 16, took, drafted=False)
+            tokens += 16
+        seconds += took
+    return tokens / seconds, drafted / steps, s.plain_probes
+
+
+def test_plain_probes_catch_a_server_that_inflates_drafted_rounds_more_than_plain_ones():
+    """Measured under HTTP load on the EPYC machine: drafted rounds ran 2.31x the profile, plain ones 1.69x.
+    A policy that only ever measured drafted steps priced plain ones at the drafted inflation and drafted
+    every step at 0.90x of plain decoding here; plain probes measure the plain cost and the policy stays at
+    plain speed. Where the inflation is the same for both, drafting pays and goes on (few probes)."""
+    plain, _, _ = served_world("none", 2.31, 1.69)
+    fixed, _, _ = served_world("fixed:7", 2.31, 1.69)
+    adaptive, share, probes = served_world("dspark", 2.31, 1.69)
+    assert fixed < 0.92 * plain
+    assert adaptive >= 0.97 * plain and share < 0.1 and probes >= 1
+    plain, _, _ = served_world("none", 2.0, 2.0)
+    fixed, _, _ = served_world("fixed:7", 2.0, 2.0)
+    adaptive, share, probes = served_world("dspark", 2.0, 2.0)
+    assert fixed > 1.15 * plain
+    assert adaptive >= 0.98 * fixed and share > 0.9 and probes <= 400 / 30
+
+
+def test_a_kind_keeps_its_own_offset_while_only_the_other_kind_runs():
+    """Drafted rounds measured at 2.3x the table and plain ones at 1.7x; then only plain steps run (the policy
+    stopped drafting). The drafted cost must stay at 2.3x: following a level made of whatever ran last would
+    pull it to 1.7x, and the policy would probe drafting again and again. A machine-wide slowdown seen by the
+    plain steps still moves both."""
+    cost = uniform_cost_model(gamma=7, batches=(16,), per_token=0.01, layout="padded")
+    table_d, table_p = cost.cost(16, 64), cost.plain_cost(16)
+    for _ in range(40):
+        cost.observe(16, 64, 2.3 * table_d, drafted=True)
+    for _ in range(8):
+        cost.observe(16, 16, 1.7 * table_p, drafted=False)
+    for _ in range(200):
+        cost.observe(16, 16, 1.7 * table_p, drafted=False)
+    assert cost.cost(16, 64) == pytest.approx(2.3 * table_d, rel=0.03)
+    assert cost.plain_cost(16) == pytest.approx(1.7 * table_p, rel=0.03)
+    for _ in range(40):
+        cost.observe(16, 16, 2 * 1.7 * table_p, drafted=False)  # everything 2x slower
+    assert cost.cost(16, 64) == pytest.approx(2 * 2.3 * table_d, rel=0.05)
 
 
 def test_online_correction_is_bounded_against_garbage():
@@ -299,16 +364,80 @@ def test_an_empty_batch_plans_nothing(spec):
 
 def test_step_overhead_is_part_of_every_cost_and_learned_online():
     """Work every step pays outside its round (prefill chunk, bookkeeping, the wait for the next step) is added
-    to drafted and plain costs alike, as an exponentially forgetting mean of what the engine measured."""
+    to drafted and plain costs alike, as the engine measured it."""
     cost = CostModel({1: [(1, 1.3), (2, 1.7), (3, 2.1), (4, 2.5)]}, {1: 1.0}, "ragged")
-    assert cost.overhead == 0.0
+    assert cost.overhead.fixed(1) == 0.0
     for _ in range(200):
-        cost.observe_overhead(3.0)
-    cost.observe_overhead(float("nan"))  # ignored
-    cost.observe_overhead(-1.0)  # ignored
-    assert cost.overhead == pytest.approx(3.0, rel=1e-3)
-    assert cost.cost(1, 2) == pytest.approx(1.7 + cost.overhead)
-    assert cost.plain_cost(1) == pytest.approx(1.0 + cost.overhead)
+        cost.observe_overhead(3.0, 1, 2)
+    cost.observe_overhead(float("nan"), 1, 2)  # ignored
+    cost.observe_overhead(-1.0, 1, 2)  # ignored
+    assert cost.overhead.fixed(1) == pytest.approx(3.0, rel=1e-3)
+    assert cost.cost(1, 2) == pytest.approx(1.7 + 3.0, rel=1e-3)
+    assert cost.plain_cost(1) == pytest.approx(1.0 + 3.0, rel=1e-3)
+
+
+def test_step_overhead_that_grows_with_committed_tokens_is_not_priced_as_fixed():
+    """Outside-the-round time of 13 ms + 0.55 ms per committed token (what 64 served clients measured): the
+    costs carry the 13 ms only. The mean per step (13 + 0.55·T̄ ms) would price the per-token part as a fixed
+    cost that longer blocks amortise, and drafting would look better than it is."""
+    cost = uniform_cost_model(gamma=7, batches=(64,), per_token=0.001)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        tokens = int(rng.integers(64, 300))
+        cost.observe_overhead(0.013 + 0.00055 * tokens + rng.normal(0, 0.001), 64, tokens)
+    assert cost.overhead.per_token == pytest.approx(0.00055, rel=0.1)
+    assert cost.overhead.fixed(64) == pytest.approx(0.013, abs=0.002)
+    assert cost.plain_cost(64) == pytest.approx(1.0 + 0.064 + cost.overhead.fixed(64))
+
+
+def test_prefills_are_priced_per_committed_token_not_per_step():
+    """A step's prefill serves requests that finished in earlier steps, so it does not vary with the step's own
+    tokens: a regression would call it fixed. Over time it is paid per committed token (requests of 64 tokens
+    whose prefill costs 64 ms: 1 ms per token); the fixed part keeps only the 5 ms of bookkeeping."""
+    over = StepOverhead()
+    rng = np.random.default_rng(1)
+    finished = 0
+    for _ in range(600):
+        tokens = int(rng.integers(100, 200))
+        prefill = 0.064 * finished  # the requests that finished at the previous step are prefilled now
+        over.observe(0.005 + prefill, 64, tokens, prefill_seconds=prefill)
+        finished = rng.binomial(tokens, 1 / 64)
+    assert over.fixed(64) == pytest.approx(0.005, abs=1e-4)
+    assert over.prefill_per_token == pytest.approx(0.001, rel=0.2)
+    assert over.predict(64, 150) == pytest.approx(0.005 + 150 * over.prefill_per_token)
+
+
+def test_the_per_token_overhead_does_not_change_which_step_is_faster():
+    """A step's true rate T / (C + a + b·T) ranks any two choices as T / (C + a) does, so the scheduler's Θ
+    (which adds a alone) picks the truly faster step; adding the mean a + b·T̄ instead can flip the order."""
+    a, b = 0.013, 0.00055
+    choices = [(64, 0.05), (150, 0.15), (250, 0.25)]  # (committed tokens, round seconds)
+    truth = [t / (c + a + b * t) for t, c in choices]
+    fixed_only = [t / (c + a) for t, c in choices]
+    assert np.argmax(truth) == np.argmax(fixed_only)
+    assert np.argsort(truth).tolist() == np.argsort(fixed_only).tolist()
+    mean = a + b * 150
+    with_mean = [t / (c + mean) for t, c in choices]
+    assert np.argmax(with_mean) != np.argmax(truth)  # the old pricing prefers the longest block here
+
+
+def test_step_overhead_fit_falls_back_to_the_mean_and_keeps_slopes_nonnegative():
+    """Plain steps commit one token per row, so rows and tokens cannot be told apart: the whole overhead stays
+    priced per step (as the mean). A fit that would give a negative slope drops that feature."""
+    over = StepOverhead()
+    for rows in (8, 16, 32, 8, 16, 32, 8, 16, 32, 8):
+        over.observe(0.002 + 0.0001 * rows, rows, rows)
+    assert over.per_token == 0.0
+    assert over.predict(16, 16) == pytest.approx(0.002 + 0.0016, rel=1e-6)
+    shrinking = StepOverhead()
+    for tokens in range(10, 60):
+        shrinking.observe(0.05 - 0.0005 * tokens, 16, tokens)  # more tokens, less time: no negative slope
+    assert shrinking.per_token == 0.0 and shrinking.per_row == 0.0
+    assert shrinking.fixed(16) == pytest.approx(np.mean([0.05 - 0.0005 * t for t in range(10, 60)]), rel=0.2)
+    with pytest.raises(ValueError, match="intercept"):
+        StepOverhead(intercept=-1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        StepOverhead(alpha=0.0)
 
 
 def test_step_overhead_makes_longer_steps_pay():
@@ -317,6 +446,6 @@ def test_step_overhead_makes_longer_steps_pay():
     survival = np.array([[0.5, 0.25, 0.125]])
     cost = CostModel({1: [(1, 1.3), (2, 1.7), (3, 2.1), (4, 2.5)]}, {1: 1.0}, "ragged")
     assert prefix_schedule(survival, [3], cost)[0].tolist() == [1]
-    cost.overhead = 3.0
+    cost.overhead = StepOverhead(intercept=3.0)
     lengths, theta = prefix_schedule(survival, [3], cost)
     assert lengths.tolist() == [2] and theta == pytest.approx(1.75 / 5.1)

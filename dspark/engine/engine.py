@@ -133,8 +133,8 @@ class EngineConfig:
     prefill_chunk: slots (prefilling rows × the pass's width) one prefill pass may span while other requests
     are decoding; the width maximises prompt tokens fed per cost (`dspark.engine.prefill`).
     online_cost: correct the cost model from measured rounds, and teach it each step's overhead outside its
-    round (prefill chunk, bookkeeping, the wait until the next step), which it adds to every cost so that Θ
-    prices whole steps. record_signals: keep each round's survival
+    round (prefill chunk, bookkeeping, the wait until the next step) against its rows and committed tokens;
+    the fixed part of that fit is added to every cost so that Θ prices whole steps. record_signals: keep each round's survival
     signals in its RoundStats. detokenize: keep each request's text (needs the target's tokenizer).
     draft_timeout: seconds a drafting call may take; a slower one pauses drafting for 1, 2, 4, … rounds (at
     most DRAFT_BACKOFF_MAX; back to 1 after a call within the limit). None: never paused.
@@ -210,7 +210,8 @@ class Engine:
         self._fresh: set[int] = set()  # requests whose first token was committed in this step
         self._join_seconds = 0.0
         self._prefill_slots = 0
-        self._last_round: tuple[float, float] | None = None  # (start, round seconds) of the last step with a round
+        # (start, round seconds, rows, committed tokens, prefill seconds) of the last step with a round
+        self._last_round: tuple[float, float, int, int, float] | None = None
         self.request_errors = 0  # requests finished with "error" by a fault in their own drafting
         self.nonfinite_drafts = 0  # row rounds whose drafts were dropped for NaN / inf
         self.draft_timeouts = 0  # drafting calls slower than config.draft_timeout
@@ -294,7 +295,8 @@ class Engine:
             info.step_seconds, info.started = time.perf_counter() - start, start
             if self.on_step is not None:
                 self.on_step(info)
-        self._last_round = (start, info.seconds) if info is not None else None
+        self._last_round = None if info is None else \
+            (start, info.seconds, info.batch, self._committed - committed, prefill_seconds)
         self._last_step = None
         if info is not None:
             greedy = sum(req.sampling.greedy for req in self.running) / len(self.running) if self.running else 0.0
@@ -313,10 +315,10 @@ class Engine:
         last, self._last_round = self._last_round, None
         if last is None or self.cost_model is None or not self.config.online_cost or not self.running:
             return
-        started, round_seconds = last
+        started, round_seconds, rows, tokens, prefill_seconds = last
         period = now - started
         if not self._idle_between(period, round_seconds):
-            self.cost_model.observe_overhead(max(0.0, period - round_seconds))
+            self.cost_model.observe_overhead(max(0.0, period - round_seconds), rows, tokens, prefill_seconds)
 
     def _observe_rate(self, now: float) -> None:
         """Give the rate guard the last step: its period up to this step, its committed tokens and rows; a step
@@ -614,7 +616,7 @@ class Engine:
         predicted = None
         if self.cost_model is not None:
             predicted = self.cost_model.cost(len(rows), tokens) if drafted else self.cost_model.plain_cost(len(rows))
-            predicted -= self.cost_model.overhead  # the round's own figure (the step's overhead is outside it)
+            predicted -= self.cost_model.overhead.fixed(len(rows))  # the round's own figure (overhead is outside it)
             if self.config.online_cost and not faulted:
                 self.cost_model.observe(len(rows), tokens, seconds, drafted)
         now = time.perf_counter()
