@@ -50,7 +50,9 @@ class CostModel:
 
     Lookup keeps the curve's steps: B and N round up to the next profiled value (as a CUDA-graph engine
     pads to the next captured size), never interpolating across a cliff; past the largest profiled value
-    the last two points extrapolate linearly. `observe` corrects the table online from measured steps.
+    the last two points extrapolate linearly. Within a batch row the costs are made non-decreasing in N (a
+    cell dearer than a larger one is noise: one bump would stop Algorithm 1's admission before it).
+    `observe` corrects the table online from measured steps.
     """
 
     drafted: dict[int, list[tuple[int, float]]]
@@ -90,7 +92,10 @@ class CostModel:
                 raise ValueError(f"cost model plain B={b} has seconds={s}; expected a positive number")
         self._batches = np.array(sorted(self.drafted))
         self._plain_batches = np.array(sorted(self.plain))
-        self._rows = {b: (np.array([n for n, _ in c]), np.array([s for _, s in c])) for b, c in self.drafted.items()}
+        # lookup rows: a step never costs more than one of the same batch that verifies more tokens, so a
+        # profiled cell dearer than a larger one (measurement noise) is priced at the larger one's cost
+        self._rows = {b: (np.array([n for n, _ in c]), _envelope(np.array([s for _, s in c])))
+                      for b, c in self.drafted.items()}
 
     # -- lookup ---------------------------------------------------------------------------------------
     def _row_for(self, batch: int) -> tuple[int, float]:
@@ -123,9 +128,13 @@ class CostModel:
         base, idx = self._base_many(batch, tokens)
         if not self._cells:
             return base * self._scale(None, "d") + self.overhead.fixed(batch)
-        b, _ = self._row_for(batch)
-        scale = np.array([self._scale(("d", b, int(i)), "d") for i in np.atleast_1d(idx)])
-        return base * scale.reshape(base.shape) + self.overhead.fixed(batch)
+        b, factor = self._row_for(batch)
+        ns, secs = self._rows[b]
+        scale = np.array([self._scale(("d", b, i), "d") for i in range(len(ns) + 1)])
+        out = base * scale[idx]
+        inside = idx < len(ns)
+        out[inside] = _envelope(secs * scale[:-1])[idx[inside]] * factor  # corrected cells stay monotone too
+        return out + self.overhead.fixed(batch)
 
     def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """The largest query-token count that costs the same as each entry of `tokens` (its profiled cell's
@@ -248,6 +257,11 @@ class CostModel:
             return cls(drafted, plain, data.get("layout", "padded"))
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
+
+
+def _envelope(seconds: np.ndarray) -> np.ndarray:
+    """The largest non-decreasing curve under `seconds`: each entry the minimum of itself and all later ones."""
+    return np.minimum.accumulate(seconds[::-1])[::-1]
 
 
 def uniform_cost_model(gamma: int = 7, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -441,7 +455,8 @@ class Scheduler:
     name: "none" | "fixed:K" | "threshold:θ" | "batch-table[:B=K,...]" | "dspark" | "dspark-async".
     Adaptive policies ("dspark", "dspark-async") skip drafting when their best schedules are expected
     slower than plain decoding (smoothed over steps), for a back-off of 4 steps that grows fourfold while
-    drafting keeps not paying (up to `max_backoff`), then probe again. A probe is skipped too while
+    drafting keeps not paying (up to `max_backoff`), then probe again; a back-off decided at another
+    batch size (power-of-two bucket) ends when the batch size changes. A probe is skipped too while
     Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
     the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload) still
     predicts no gain at the current batch size and costs, so a batch where drafting never pays probes once
@@ -465,6 +480,7 @@ class Scheduler:
         self.max_backoff = max_backoff
         self._skip = 0
         self._backoff = 4
+        self._backoff_rows = 0  # the batch size at which the current back-off was decided
         self._gain: float | None = None
         self._probing = False
         self._since_probe = 0
@@ -500,6 +516,11 @@ class Scheduler:
         """Whether the coming step should call the drafter at all."""
         if self.kind == "none" or (self.kind == "fixed" and self.param == 0):
             return False
+        if self._skip > 0 and _bucket(num_rows) != _bucket(self._backoff_rows):
+            # the back-off was decided at another load: drafting's worth changes with the batch size, so
+            # this batch is judged afresh (a probe, unless the typical survivals predict no gain here either)
+            self._skip, self._backoff, self._probing, self._since_probe = 0, 4, True, 0
+            self._backoff_rows = num_rows
         if self._skip > 0:
             self._skip -= 1
             self.skipped_steps += 1
@@ -589,11 +610,17 @@ class Scheduler:
             self._gain += self.SMOOTHING * (gain - self._gain)
         self._probing = False
         if self._gain < 0:
+            self._backoff_rows = num
             self._skip = self._backoff
             self._backoff = min(self.max_backoff, self._backoff * 4)
             self._probing = True
         else:
             self._backoff = 4
+
+
+def _bucket(rows: int) -> int:
+    """Power-of-two load bucket of a batch size (0 for an empty batch)."""
+    return int(rows).bit_length()
 
 
 def parse_policy(spec: str, gamma: int) -> tuple[str, object]:

@@ -265,15 +265,16 @@ def test_async_budget_bounds_capacity_and_admission():
 
 
 def test_the_probe_prediction_reads_the_last_steps_mean_survival_per_position():
-    """At 2 rows drafting cannot pay (Θ0 = 2/1.1 < 2/1): the policy backs off for 4 steps. Then, at 1 row, the
-    last step's mean survivals per position (0.9, 0, 0) predict a gain, so the probe is paid for."""
-    cost = CostModel({1: [(1, 1.01), (2, 1.5), (3, 2.5), (4, 3.5)],
-                      2: [(2, 1.1), (3, 1.6), (4, 2.1), (5, 2.6), (6, 3.1), (7, 3.6), (8, 4.1)]},
-                     {1: 1.0, 2: 1.0}, "ragged")
+    """At 3 rows drafting cannot pay (Θ0 = 3/1.1 < 3/1): the policy backs off for 4 steps. Then, at 2 rows (the
+    same load bucket, so the back-off holds), the last step's mean survivals per position (0.9, 0, 0) predict a
+    gain, so the probe is paid for."""
+    cost = CostModel({2: [(2, 1.01), (3, 1.2), (4, 1.4), (5, 2.5), (6, 3.0), (7, 3.5), (8, 4.0)],
+                      4: [(3, 1.1), (4, 1.6), (5, 2.1), (6, 2.6), (7, 3.1), (8, 3.6), (9, 4.1), (12, 5.6)]},
+                     {2: 1.0, 4: 1.0}, "ragged")
     sched = Scheduler("dspark", gamma=3)
-    assert sched.wants_drafts(2)
-    assert sched.plan(np.array([[0.9, 0.0, 0.0]] * 2), [3, 3], cost).lengths == [0, 0]
-    assert [sched.wants_drafts(1) for _ in range(5)] == [False] * 4 + [True]
+    assert sched.wants_drafts(3)
+    assert sched.plan(np.array([[0.9, 0.0, 0.0]] * 3), [3, 3, 3], cost).lengths == [0, 0, 0]
+    assert [sched.wants_drafts(2) for _ in range(5)] == [False] * 4 + [True]
 
 
 def test_async_admission_keeps_a_padded_budget_when_current_survivals_widen_the_step():
@@ -316,11 +317,15 @@ def test_path_under_a_budget_is_one_prefix_of_the_admission_order():
 
 
 def test_a_cheap_width_beyond_every_limit_adds_no_room():
-    """A padded profile need not be monotone: here width 3 (N = 4) was measured as cheap as width 1. With the row's
-    limit at 2 drafts, width 3 can never be used, so the cell of cost 1.5 holds one draft, not two: a first draft of
-    survival 0.4 cannot raise Θ above 1 ((1 + 0.4)/1.5 < 1), and Algorithm 1 admits nothing."""
-    cost = CostModel({1: [(1, 1.0), (2, 1.5), (3, 2.0), (4, 1.5)]}, {1: 1.0}, "padded")
+    """Widths 1-3 (N = 2-4) cost the same 1.5. With the row's limit at 2 drafts, width 3 can never be used, so
+    the plateau holds two drafts, not three; and a noisy profile in which width 3 was measured cheaper than
+    width 2 is priced non-decreasing (width 2 at width 3's cost), never a cheap width the limit forbids as room."""
+    cost = CostModel({1: [(1, 1.0), (2, 1.5), (3, 1.5), (4, 1.5)]}, {1: 1.0}, "padded")
     tokens = np.array([2, 3])
-    assert _plateau_room(np.array([2]), tokens, cost.cost_many(1, tokens), cost).tolist() == [1, 2]
-    lengths, theta = prefix_schedule(np.array([[0.4, 0.3]]), [2], cost)
-    assert lengths.tolist() == [0] and theta == pytest.approx(1.0)
+    assert _plateau_room(np.array([2]), tokens, cost.cost_many(1, tokens), cost).tolist() == [2, 2]
+    assert _plateau_room(np.array([1]), np.array([2]), cost.cost_many(1, np.array([2])), cost).tolist() == [1]
+    noisy = CostModel({1: [(1, 1.0), (2, 1.5), (3, 2.0), (4, 1.5)]}, {1: 1.0}, "padded")
+    assert noisy.cost_many(1, np.array([2, 3, 4])).tolist() == [1.5, 1.5, 1.5]
+    assert _plateau_room(np.array([2]), tokens, noisy.cost_many(1, tokens), noisy).tolist() == [2, 2]
+    lengths, theta = prefix_schedule(np.array([[0.4, 0.3]]), [2], noisy)
+    assert lengths.tolist() == [2] and theta == pytest.approx(1.7 / 1.5)

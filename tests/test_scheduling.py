@@ -312,6 +312,45 @@ def test_a_kind_keeps_its_own_offset_while_only_the_other_kind_runs():
     assert cost.cost(16, 64) == pytest.approx(2 * 2.3 * table_d, rel=0.05)
 
 
+def test_a_noisy_bump_in_the_profile_does_not_stop_admission():
+    """This machine's profile at batch 1 (ms): N = 5 13.1, N = 6 16.3, N = 7 14.2, N = 8 14.0. A pass over 6
+    tokens cannot cost more than one over 8: the bump is noise, and with Algorithm 1's early stop it cut every
+    block at 4 drafts (τ 1.85 against fixed K = 7's 2.84 at one client). Costs are priced non-decreasing in N,
+    as measured table and as online-corrected cells."""
+    ms = [13.1, 12.4, 13.0, 13.5, 13.1, 16.3, 14.2, 14.0]
+    cost = CostModel({1: [(n + 1, s / 1e3) for n, s in enumerate(ms)]}, {1: 0.0107}, "padded")
+    assert cost.cost(1, 6) == pytest.approx(0.0140) and cost.cost(1, 2) == pytest.approx(0.0124)
+    assert cost.to_dict()["drafted"]["1"][5] == [6, pytest.approx(0.0163)]  # the profile is kept as measured
+    survival = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]])
+    assert prefix_schedule(survival, [7], cost)[0].tolist() == [7]
+    for _ in range(20):  # a cell measured dear online stays priced at most at a larger cell's cost
+        cost.observe(1, 3, 0.030, drafted=True)
+        cost.observe(1, 8, 0.014, drafted=True)
+    assert cost.cost(1, 3) <= cost.cost(1, 8) + 1e-12
+    seconds = cost.cost_many(1, np.arange(1, 9))
+    assert np.all(np.diff(seconds) >= -1e-12)
+
+
+def test_a_back_off_decided_at_high_load_ends_when_the_load_drops():
+    """At 64 requests drafting does not pay and the policy backs off, up to 256 steps; when the load drops to one
+    request (where drafting pays 2x), it must draft at once, not sit out a back-off decided for 64 rows (in a
+    load sweep that back-off outlasted a whole one-client cell: τ 1.00 where fixed K = 7 reached 3.15)."""
+    drafted = {b: [(n, 1.0 + (0.2 + 0.05 * n) * (b >= 32)) for n in range(b, 8 * b + 1)] for b in (1, 64)}
+    cost = CostModel(drafted, {1: 1.0, 64: 1.0}, "padded")
+    s = Scheduler("dspark", gamma=7)
+    high, low = np.full((64, 7), 0.5).cumprod(1), np.full((1, 7), 0.8).cumprod(1)
+    for _ in range(300):  # long enough for the back-off to reach its maximum
+        if s.wants_drafts(64):
+            s.plan(high, [7] * 64, cost)
+    assert s.skipped_steps > 250 and s._skip > 0
+    assert s.wants_drafts(1)
+    assert sum(s.plan(low, [7], cost).lengths) == 7 and s.wants_drafts(1) and s.wants_drafts(1)
+    for _ in range(10):  # back at 64 rows: after a few drafted steps the policy backs off again
+        if s.wants_drafts(64):
+            s.plan(high, [7] * 64, cost)
+    assert s._skip > 0 and not s.wants_drafts(64)
+
+
 def test_online_correction_is_bounded_against_garbage():
     cost = uniform_cost_model(gamma=3, batches=(1,), layout="ragged")
     before = cost.cost(1, 3)
