@@ -455,8 +455,8 @@ class Scheduler:
     name: "none" | "fixed:K" | "threshold:θ" | "batch-table[:B=K,...]" | "dspark" | "dspark-async".
     Adaptive policies ("dspark", "dspark-async") skip drafting when their best schedules are expected
     slower than plain decoding (smoothed over steps), for a back-off of 4 steps that grows fourfold while
-    drafting keeps not paying (up to `max_backoff`), then probe again; a back-off decided at another
-    batch size (power-of-two bucket) ends when the batch size changes. A probe is skipped too while
+    drafting keeps not paying (up to `max_backoff`), then probe again; a back-off ends when the batch
+    size moves over 2x away from the one it was decided at. A probe is skipped too while
     Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
     the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload) still
     predicts no gain at the current batch size and costs, so a batch where drafting never pays probes once
@@ -516,9 +516,10 @@ class Scheduler:
         """Whether the coming step should call the drafter at all."""
         if self.kind == "none" or (self.kind == "fixed" and self.param == 0):
             return False
-        if self._skip > 0 and _bucket(num_rows) != _bucket(self._backoff_rows):
-            # the back-off was decided at another load: drafting's worth changes with the batch size, so
-            # this batch is judged afresh (a probe, unless the typical survivals predict no gain here either)
+        if self._skip > 0 and not self._backoff_rows / 2 <= num_rows <= 2 * self._backoff_rows:
+            # the back-off was decided at another load (over 2x apart, so that a batch hovering at its client
+            # count does not reset it): drafting's worth changes with the batch size, so this batch is judged
+            # afresh (a probe, unless the typical survivals predict no gain here either)
             self._skip, self._backoff, self._probing, self._since_probe = 0, 4, True, 0
             self._backoff_rows = num_rows
         if self._skip > 0:
@@ -616,11 +617,6 @@ class Scheduler:
             self._probing = True
         else:
             self._backoff = 4
-
-
-def _bucket(rows: int) -> int:
-    """Power-of-two load bucket of a batch size (0 for an empty batch)."""
-    return int(rows).bit_length()
 
 
 def parse_policy(spec: str, gamma: int) -> tuple[str, object]:

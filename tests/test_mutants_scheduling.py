@@ -265,8 +265,8 @@ def test_async_budget_bounds_capacity_and_admission():
 
 
 def test_the_probe_prediction_reads_the_last_steps_mean_survival_per_position():
-    """At 3 rows drafting cannot pay (Θ0 = 3/1.1 < 3/1): the policy backs off for 4 steps. Then, at 2 rows (the
-    same load bucket, so the back-off holds), the last step's mean survivals per position (0.9, 0, 0) predict a
+    """At 3 rows drafting cannot pay (Θ0 = 3/1.1 < 3/1): the policy backs off for 4 steps. Then, at 2 rows (less
+    than 2x away, so the back-off holds), the last step's mean survivals per position (0.9, 0, 0) predict a
     gain, so the probe is paid for."""
     cost = CostModel({2: [(2, 1.01), (3, 1.2), (4, 1.4), (5, 2.5), (6, 3.0), (7, 3.5), (8, 4.0)],
                       4: [(3, 1.1), (4, 1.6), (5, 2.1), (6, 2.6), (7, 3.1), (8, 3.6), (9, 4.1), (12, 5.6)]},

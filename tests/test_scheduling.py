@@ -343,6 +343,8 @@ def test_a_back_off_decided_at_high_load_ends_when_the_load_drops():
         if s.wants_drafts(64):
             s.plan(high, [7] * 64, cost)
     assert s.skipped_steps > 250 and s._skip > 0
+    skipped = s.skipped_steps  # a batch hovering at its client count (63, 64, 33) keeps the back-off
+    assert not any(s.wants_drafts(rows) for rows in (63, 64, 33, 64)) and s.skipped_steps == skipped + 4
     assert s.wants_drafts(1)
     assert sum(s.plan(low, [7], cost).lengths) == 7 and s.wants_drafts(1) and s.wants_drafts(1)
     for _ in range(10):  # back at 64 rows: after a few drafted steps the policy backs off again
