@@ -79,7 +79,7 @@ def start_server(arm: str, port: int, args: argparse.Namespace, log: Path,
     """Start `dspark serve` for one arm on `port` (does not wait for it); `extra`: more serve options.
 
     An arm is a scheduler name, optionally followed by serve flags without their dashes after `+`:
-    `dspark+no-rate-guard` serves the dspark scheduler with `--no-rate-guard`."""
+    `dspark+rate-guard` serves the dspark scheduler with `--rate-guard`."""
     scheduler, *flags = arm.split("+")
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--scheduler", scheduler, "--drafter", args.drafter,
            "--port", str(port), "--max-running", str(max(args.concurrency)),

@@ -413,9 +413,10 @@ def test_the_rate_guard_switches_drafting_off_by_whole_steps_and_stays_lossless(
         assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens)
 
 
-def test_the_rate_guard_is_only_for_adaptive_schedulers_and_can_be_switched_off(bundled_target, dspark_drafter):
+def test_the_rate_guard_is_only_for_adaptive_schedulers_and_is_opt_in(bundled_target, dspark_drafter):
     cost = uniform_cost_model(drafter_gamma(dspark_drafter))
-    assert Engine(bundled_target, dspark_drafter, "dspark", cost).rate_guard is not None
-    assert Engine(bundled_target, dspark_drafter, "dspark-async", cost).rate_guard is not None
-    assert Engine(bundled_target, dspark_drafter, "fixed", cost).rate_guard is None
-    assert Engine(bundled_target, dspark_drafter, "dspark", cost, EngineConfig(rate_guard=False)).rate_guard is None
+    on = EngineConfig(rate_guard=True)
+    assert Engine(bundled_target, dspark_drafter, "dspark", cost, on).rate_guard is not None
+    assert Engine(bundled_target, dspark_drafter, "dspark-async", cost, on).rate_guard is not None
+    assert Engine(bundled_target, dspark_drafter, "fixed", cost, on).rate_guard is None
+    assert Engine(bundled_target, dspark_drafter, "dspark", cost).rate_guard is None  # off by default

@@ -140,7 +140,9 @@ class EngineConfig:
     most DRAFT_BACKOFF_MAX; back to 1 after a call within the limit). None: never paused.
     rate_guard: with an adaptive scheduler, turn drafting off for whole windows of steps while measured
     throughput (committed tokens per second of wall time, per load) says plain decoding is faster
-    (`dspark.engine.rate_guard`).
+    (`dspark.engine.rate_guard`). Off by default: since the cost model prices served steps itself (plain
+    probes, per-kind offsets, the overhead's fixed part), the guard's plain windows cost more than they
+    caught in the load sweep (docs/serving.md).
     """
 
     max_running: int = 64
@@ -152,7 +154,7 @@ class EngineConfig:
     record_signals: bool = False
     detokenize: bool = True
     draft_timeout: float | None = None
-    rate_guard: bool = True
+    rate_guard: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk"):

@@ -52,9 +52,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--no-online-calibration", action="store_true",
                    help="keep the drafter's offline calibration fixed (default: corrected online per workload)")
     s.add_argument("--no-online-cost", action="store_true", help="do not correct the step-cost model online")
-    s.add_argument("--no-rate-guard", action="store_true",
-                   help="adaptive schedulers: do not turn drafting off when measured throughput says plain decoding "
-                        "is faster (default: the rate guard is on)")
+    s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
+                   help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
+                        "says plain decoding is faster (default: off; the cost model decides)")
     s.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine step (batch, tokens, timings, the cost model's prediction)")
     s.add_argument("--served-model-name", default=None,
@@ -95,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=gamma)
     config = EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                           prefill_chunk=args.prefill_chunk, online_cost=not args.no_online_cost,
-                          kv_budget_tokens=args.kv_budget_tokens, rate_guard=not args.no_rate_guard)
+                          kv_budget_tokens=args.kv_budget_tokens, rate_guard=args.rate_guard)
     metrics = ServerMetrics()
     engine = Engine(target, drafter, scheduler, cost, config, calibrator, on_step=chain(metrics.observe_step, step_log))
     metrics.watch(engine)
