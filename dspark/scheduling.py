@@ -67,7 +67,7 @@ class CostModel:
     #: its mean, its kind's correction and the count then
     _level: float = field(default=0.0, repr=False)
     _count: int = field(default=0, repr=False)
-    _kinds: dict[str, tuple[float, float, int]] = field(default_factory=dict, repr=False)
+    _kinds: dict[str, tuple[float, float, int, int]] = field(default_factory=dict, repr=False)
     _cells: dict[tuple, tuple[float, float, int]] = field(default_factory=dict, repr=False)
     #: seconds every step pays outside its round (prefill chunk, bookkeeping, the wait before the next step),
     #: learned online (`observe_overhead`) as a + c·B + b·T; its fixed part a + c·B is added to drafted and plain
@@ -193,10 +193,10 @@ class CostModel:
         Exponentially forgetting means of log(measured / table): one per step kind (drafted, plain), one per
         cell, and a machine-wide level. The level follows the first kind measured, then the drift that a
         kind measured for a while sees; the other kind's first 1 / alpha measurements learn its own offset
-        from the level (a running mean), not drift. A kind not measured yet follows the level; a kind or cell not measured in the last `stale_after`
-        steps moves with the level above it since its last measurement: a kind with the level, a cell with
-        its kind. So a machine that slows down (other load) moves drafted and plain costs alike even while
-        only one kind of step runs, a kind keeps its own offset from the other while it is not measured
+        from the level (a running mean), not drift. A kind not measured yet follows the level; a kind or cell
+        not measured in the last `stale_after` steps moves with the level above it since its last
+        measurement: a kind with the level, a cell with its kind. So a machine that slows down (other load)
+        moves drafted and plain costs alike even while only one kind of step runs, a kind keeps its own offset from the other while it is not measured
         (serving can inflate drafted rounds more than plain ones), and kinds and cells measured all along
         keep their own means, so a change that hits drafting alone moves drafted costs alone. A ratio is
         clamped to [1/20, 20] so one stall cannot swing the model; after a lasting change the correction is

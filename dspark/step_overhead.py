@@ -32,13 +32,13 @@ class StepOverhead:
 
     def __init__(self, intercept: float = 0.0, per_row: float = 0.0, per_token: float = 0.0,
                  alpha: float = 0.02, min_steps: int = 8) -> None:
-        self.prefill_per_token = 0.0
         for name, value in (("intercept", intercept), ("per_row", per_row), ("per_token", per_token)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"step overhead {name} must be a finite number ≥ 0, got {value}")
         if not 0 < alpha <= 1:
             raise ValueError(f"step overhead alpha must lie in (0, 1], got {alpha}")
         self.intercept, self.per_row, self.per_token = float(intercept), float(per_row), float(per_token)
+        self.prefill_per_token = 0.0
         self.alpha = float(alpha)
         self.min_steps = int(min_steps)
         self.steps = 0

@@ -134,8 +134,8 @@ class EngineConfig:
     are decoding; the width maximises prompt tokens fed per cost (`dspark.engine.prefill`).
     online_cost: correct the cost model from measured rounds, and teach it each step's overhead outside its
     round (prefill chunk, bookkeeping, the wait until the next step) against its rows and committed tokens;
-    the fixed part of that fit is added to every cost so that Θ prices whole steps. record_signals: keep each round's survival
-    signals in its RoundStats. detokenize: keep each request's text (needs the target's tokenizer).
+    the fixed part of that fit is added to every cost so that Θ prices whole steps. record_signals: keep each
+    round's survival signals in its RoundStats. detokenize: keep each request's text (needs the target's tokenizer).
     draft_timeout: seconds a drafting call may take; a slower one pauses drafting for 1, 2, 4, … rounds (at
     most DRAFT_BACKOFF_MAX; back to 1 after a call within the limit). None: never paused.
     rate_guard: with an adaptive scheduler, turn drafting off for whole windows of steps while measured
