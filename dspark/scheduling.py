@@ -191,16 +191,16 @@ class CostModel:
         """Fold a measured step time into the model.
 
         Exponentially forgetting means of log(measured / table): one per step kind (drafted, plain), one per
-        cell, and a machine-wide level. The level follows the first kind measured, then the drift that a
-        kind measured for a while sees; the other kind's first 1 / alpha measurements learn its own offset
-        from the level (a running mean), not drift. A kind not measured yet follows the level; a kind or cell
-        not measured in the last `stale_after` steps moves with the level above it since its last
-        measurement: a kind with the level, a cell with its kind. So a machine that slows down (other load)
-        moves drafted and plain costs alike even while only one kind of step runs, a kind keeps its own offset from the other while it is not measured
-        (serving can inflate drafted rounds more than plain ones), and kinds and cells measured all along
-        keep their own means, so a change that hits drafting alone moves drafted costs alone. A ratio is
-        clamped to [1/20, 20] so one stall cannot swing the model; after a lasting change the correction is
-        within 5% of it after about ten steps.
+        cell, and a machine-wide level. The level follows the first kind measured, then the drift that a kind
+        measured for a while sees; the other kind's first 1 / alpha measurements learn its own offset from the
+        level (a running mean), not drift. A kind not measured yet follows the level; a kind or cell not
+        measured in the last `stale_after` steps moves with the level above it since its last measurement: a
+        kind with the level, a cell with its kind. So a machine that slows down (other load) moves drafted and
+        plain costs alike even while only one kind of step runs, a kind keeps its own offset from the other
+        while it is not measured (serving can inflate drafted rounds more than plain ones), and kinds and cells
+        measured all along keep their own means, so a change that hits drafting alone moves drafted costs alone.
+        A ratio is clamped to [1/20, 20] so one stall cannot swing the model; after a lasting change the
+        correction is within 5% of it after about ten steps.
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
