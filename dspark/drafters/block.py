@@ -8,12 +8,12 @@ drafts are appended to the context cache; the bonus token becomes the next ancho
 """
 from __future__ import annotations
 
-import copy
 from typing import Sequence
 
 import torch
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
+from dspark.drafters.context_cache import ContextCache
 from dspark.drafters.dflash_model import DFlashBackbone, DFlashConfig
 from dspark.drafters.heads import ConfidenceHead, MarkovHead, build_sequential_head
 from dspark.sampling import (BatchSampling, filter_logits, greedy_peaks, gumbel_noise, probs_from_sampling_logits,
@@ -43,77 +43,6 @@ class DSparkModel(DFlashBackbone):
 
 MARKOV_TABLE_MAX_BYTES = 256 * 2**20  # a float32 [V, V] Markov bias table up to V = 8192
 MARKOV_TABLE_FILL_FRACTION = 32  # once 1/32 of its rows are computed one by one, compute the rest at once
-
-
-class ContextCache:
-    """Per-layer projected context K/V for a batch of rows of different lengths (padding masked).
-
-    `dense` is True while every slot of every row is real (always so for a batch of one), so attention
-    needs no mask.
-    """
-
-    def __init__(self, compact_slack: int = 64) -> None:
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)
-        self.lengths = torch.zeros(0, dtype=torch.long)
-        self.compact_slack = compact_slack
-        self.dense = True
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
-        """Append per-layer K/V [R, KV, q, hd] of which the first counts[r] slots of row r are real."""
-        q = kv[0][0].shape[2]
-        new_valid = torch.arange(q, device=counts.device).view(1, -1) < counts.view(-1, 1)
-        self.dense = (self.dense or not self.kv) and bool((counts == q).all())
-        if not self.kv:
-            self.kv = kv
-            self.valid = new_valid
-            self.lengths = counts.clone()
-        else:
-            self.kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, kv)]
-            self.valid = torch.cat([self.valid, new_valid], 1)
-            self.lengths = self.lengths + counts
-        if self.valid.shape[1] - int(self.lengths.max()) > max(self.compact_slack, int(self.lengths.max()) // 2):
-            self.compact()
-
-    def compact(self) -> None:
-        """Move each row's valid slots to the left and drop unused slots."""
-        width = int(self.lengths.max())
-        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]
-        out = []
-        for k, v in self.kv:
-            idx = order.view(order.shape[0], 1, width, 1).expand(-1, k.shape[1], -1, k.shape[3])
-            out.append((k.gather(2, idx), v.gather(2, idx)))
-        self.kv = out
-        self.valid = torch.arange(width, device=self.valid.device).view(1, -1) < self.lengths.view(-1, 1)
-        self.dense = bool(self.valid.all())
-
-    def extend(self, other: "ContextCache") -> None:
-        """Append the rows of `other` after these rows, padding the shorter side's slots (masked)."""
-        if not other.kv:
-            return
-        if not self.kv:
-            self.kv, self.valid, self.lengths, self.dense = other.kv, other.valid, other.lengths, other.dense
-            return
-        width = max(self.valid.shape[1], other.valid.shape[1])
-        pad = torch.nn.functional.pad
-
-        def widen(t: torch.Tensor) -> torch.Tensor:
-            return pad(t, (0, 0, 0, width - t.shape[2]))
-
-        self.kv = [(torch.cat([widen(k0), widen(k1)], 0), torch.cat([widen(v0), widen(v1)], 0))
-                   for (k0, v0), (k1, v1) in zip(self.kv, other.kv)]
-        self.valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
-                                pad(other.valid, (0, width - other.valid.shape[1]))], 0)
-        self.lengths = torch.cat([self.lengths, other.lengths])
-        self.dense = bool(self.valid.all())
-
-    def select(self, rows: Sequence[int]) -> None:
-        """Keep only the given rows."""
-        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
-        self.kv = [(k[idx], v[idx]) for k, v in self.kv]
-        self.valid = self.valid[idx]
-        self.lengths = self.lengths[idx]
-        self.dense = self.dense or bool(self.valid.all())
 
 
 def _loop_sampling(sampling: BatchSampling) -> tuple[torch.Tensor, bool, bool]:
@@ -193,9 +122,8 @@ class BlockDrafter(Drafter):
     def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         """`propose` over a copy of the given rows' context (`propose` itself changes no state)."""
         full = self.ctx
-        self.ctx = copy.copy(full)
+        self.ctx = full.subset(rows)
         try:
-            self.ctx.select(rows)
             return self.propose(sequences, sampling, generators)
         finally:
             self.ctx = full
