@@ -4,7 +4,8 @@
         [--temperatures 0 1] [--concurrency 1 2 4 8 16 32 64] [--requests-per-client 3] [--max-tokens 64]
         [--repeats 2] [--drafter dspark] [--device cpu|cuda] [--dtype D] [--profile FILE] [--out DIR] [--port 8123]
 
-The script starts one `dspark serve --scheduler ARM` per arm (same target, same drafter everywhere; each
+The script starts one `dspark serve --scheduler ARM` per arm (same target, same drafter everywhere, except that
+the engine of the `none` arm keeps no drafter, as a server without speculation would; each
 its own process and port; an idle server takes no CPU) and then, per repeat, temperature and concurrency,
 drives the arms in turn (so drifts of the machine fall on every arm alike) with C clients, each sending
 streaming chat completions back to back (a closed loop) over the bundled held-out prompts with the official

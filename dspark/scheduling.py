@@ -512,9 +512,14 @@ class Scheduler:
         not known yet): where measuring plain decoding against drafting is worth its time."""
         return self._gain is None or self._gain < math.log1p(self.UNSURE_GAIN)
 
+    @property
+    def never_drafts(self) -> bool:
+        """Whether the policy verifies no drafts at any step (`none`, `fixed:0`)."""
+        return self.kind == "none" or (self.kind == "fixed" and self.param == 0)
+
     def wants_drafts(self, num_rows: int) -> bool:
         """Whether the coming step should call the drafter at all."""
-        if self.kind == "none" or (self.kind == "fixed" and self.param == 0):
+        if self.never_drafts:
             return False
         if self._skip > 0 and not self._backoff_rows / 2 <= num_rows <= 2 * self._backoff_rows:
             # the back-off was decided at another load (over 2x apart, so that a batch hovering at its client

@@ -87,6 +87,8 @@ def test_staggered_arrivals_greedy_identical_every_scheduler(scheduler, bundled_
     drafts = [r.draft_len for req in requests for r in req.rounds]
     if scheduler == "none":
         assert max(drafts) == 0
+        # no upkeep for drafts never made: no target features, no drafter context
+        assert isinstance(engine.drafter, NoDrafter) and not engine.want_features
     elif scheduler in ("dspark", "dspark-async", "threshold:0.5", "fixed:3"):
         cut = [r for req in requests for r in req.rounds if r.available and 0 < r.draft_len < r.available]
         assert cut or scheduler == "dspark-async", "the scheduler never verified part of a block"

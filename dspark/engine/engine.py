@@ -35,7 +35,7 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 
-from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome, drafter_gamma
+from dspark.drafters.base import DraftBlock, Drafter, NoDrafter, RoundOutcome, drafter_gamma
 from dspark.engine.prefill import prefill_width
 from dspark.engine.rate_guard import RateGuard
 from dspark.engine.request import Request, RequestOutput, RoundStats
@@ -179,6 +179,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.gamma = drafter_gamma(drafter)
         self.scheduler = scheduler if isinstance(scheduler, Scheduler) else Scheduler(scheduler, self.gamma)
+        if self.scheduler.never_drafts:  # no drafter upkeep (target features, context caches) for drafts never made
+            self.drafter = drafter = NoDrafter()
         if self.scheduler.needs_cost and cost_model is None:
             raise ValueError(f"scheduler {self.scheduler.spec!r} needs a cost model: run `dspark profile` or "
                              f"pass cost_model")
