@@ -30,6 +30,28 @@ def test_eagle3_is_lossless_batched():
     assert max(s.draft_len for r in out for s in r.rounds) == 4
 
 
+def test_eagle3_cache_appends_in_place_across_rounds():
+    """Rounds write the draft layer's K/V into spare capacity (no copy of the cache per step), and output stays
+    the target's."""
+    tm, model = setup()
+    target = CausalLM(tm)
+    drafter = Eagle3Drafter(model, target)
+    buffers = []
+    observe = drafter.observe
+
+    def watch(outcome):
+        observe(outcome)
+        buffers.append(drafter.cache._kbuf)
+
+    drafter.observe = watch
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8]]
+    ref = decode(target, NoDrafter(), prompts, max_new_tokens=24)
+    out = decode(target, drafter, prompts, max_new_tokens=24)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    rounds = len(buffers)
+    assert rounds >= 5 and len({id(b) for b in buffers}) <= 2  # re-homed at most once after the first pass
+
+
 def test_ttt_steps_match_drafting_steps():
     tm, model = setup()
     target = CausalLM(tm, feature_layers=[0, 1, 2])

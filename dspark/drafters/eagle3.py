@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.dflash_model import DraftMLP, RMSNorm, RopeTable, project_qkv
+from dspark.kv_cache import HeadroomLayer
 from dspark.sampling import BatchSampling, greedy_peaks, logits_to_probs
 from dspark.target import CausalLM
 
@@ -128,7 +129,7 @@ class Eagle3Drafter(Drafter):
         self._reset(0, torch.device("cpu"))
 
     def _reset(self, rows: int, device: torch.device) -> None:
-        self.k = self.v = None
+        self.cache = HeadroomLayer()  # the draft layer's K/V, appended in place (dspark.kv_cache)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.pending_feats: list[torch.Tensor] = []
@@ -143,9 +144,8 @@ class Eagle3Drafter(Drafter):
         if not prompts:
             return
         count, device = len(prompts), self.valid.device
-        if self.k is not None:  # the new rows' slots are all invalid
-            self.k = torch.cat([self.k, self.k.new_zeros((count, *self.k.shape[1:]))])
-            self.v = torch.cat([self.v, self.v.new_zeros((count, *self.v.shape[1:]))])
+        if self.cache.is_initialized:  # the new rows' slots are all invalid (zeros, masked)
+            self.cache.extend_rows(None, None, count, self.valid.shape[1])
         self.valid = torch.cat([self.valid, torch.zeros(count, self.valid.shape[1], dtype=torch.bool, device=device)])
         self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long, device=device)])
         self.pending_feats += [prefill_features[r, : len(p) - 1] for r, p in enumerate(prompts)]
@@ -162,8 +162,8 @@ class Eagle3Drafter(Drafter):
     def select(self, rows: Sequence[int]) -> None:
         """Keep only the given rows."""
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
-        if self.k is not None:
-            self.k, self.v = self.k[idx], self.v[idx]
+        if self.cache.is_initialized:
+            self.cache.select_rows(idx)
         self.valid, self.lengths = self.valid[idx], self.lengths[idx]
         self.pending_feats = [self.pending_feats[r] for r in rows]
         self.pending_toks = [self.pending_toks[r] for r in rows]
@@ -176,30 +176,32 @@ class Eagle3Drafter(Drafter):
         x = layer.inputs(self.embed(tokens).to(hidden.dtype), hidden)
         qs, ks, vs = layer.self_attn.qkv(x, positions)
         new_valid = torch.arange(q, device=tokens.device).view(1, -1) < counts.view(-1, 1)
-        self.k = ks if self.k is None else torch.cat([self.k, ks], 2)
-        self.v = vs if self.v is None else torch.cat([self.v, vs], 2)
+        keys, values = self.cache.update(ks, vs)
         old = self.valid.shape[1]
         causal = torch.ones(q, q, dtype=torch.bool, device=tokens.device).tril()
         mask = torch.cat([self.valid.unsqueeze(1).expand(-1, q, -1), causal.unsqueeze(0) & new_valid.unsqueeze(1)], 2)
         mask[:, :, old:] |= torch.eye(q, dtype=torch.bool, device=tokens.device)  # padding rows see themselves
         self.valid = torch.cat([self.valid, new_valid], 1)
         self.lengths = self.lengths + counts
-        return layer.finish(hidden, layer.self_attn.attend(qs, self.k, self.v, mask))
+        return layer.finish(hidden, layer.self_attn.attend(qs, keys, values, mask))
 
     def _truncate(self, lengths: torch.Tensor) -> None:
         rank = torch.cumsum(self.valid.long(), 1)
         self.valid &= rank <= lengths.view(-1, 1)
         self.lengths = lengths.clone()
         width = int(self.valid.any(0).nonzero().max()) + 1 if bool(self.valid.any()) else 0
-        self.k, self.v, self.valid = self.k[:, :, :width], self.v[:, :, :width], self.valid[:, :width]
+        self.cache.keys, self.cache.values = self.cache.keys[:, :, :width], self.cache.values[:, :, :width]
+        self.valid = self.valid[:, :width]
 
     def _state(self) -> tuple:
-        """The per-row state, to restore after a failed or trial proposal (tensors are replaced, never
-        written in place, by `propose`)."""
-        return self.k, self.v, self.valid, self.lengths, list(self.pending_feats), list(self.pending_toks)
+        """The per-row state, to restore after a failed or trial proposal. `propose` writes the cache only
+        past the views kept here (appends into spare slots, or a re-homed copy), so the views stay valid."""
+        return (self.cache, self.cache.keys, self.cache.values, self.valid, self.lengths, list(self.pending_feats),
+                list(self.pending_toks))
 
     def _restore(self, state: tuple) -> None:
-        self.k, self.v, self.valid, self.lengths, self.pending_feats, self.pending_toks = state
+        self.cache, keys, values, self.valid, self.lengths, self.pending_feats, self.pending_toks = state
+        self.cache.keys, self.cache.values = keys, values
 
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         """Feed the pending pairs, then chain γ draft steps (if it raises, the state is as it was)."""
@@ -214,7 +216,15 @@ class Eagle3Drafter(Drafter):
         """`propose` for the given rows; the state is then restored (their pairs stay pending)."""
         state = self._state()
         try:
-            self.select(rows)
+            if self.cache.is_initialized:  # a copy of the rows: selecting in place would move the batch's rows
+                idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
+                part = HeadroomLayer()
+                part.lazy_initialization(self.cache.keys, self.cache.values)
+                part.keys, part.values = self.cache.keys[idx], self.cache.values[idx]
+                self.cache = part
+            self.valid, self.lengths = self.valid[rows], self.lengths[rows]
+            self.pending_feats = [self.pending_feats[r] for r in rows]
+            self.pending_toks = [self.pending_toks[r] for r in rows]
             return self._propose(sequences, sampling, generators)
         finally:
             self._restore(state)
