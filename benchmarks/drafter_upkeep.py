@@ -18,13 +18,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from dspark.api import encode_prompt, load_drafter, load_target
-from dspark.drafters import NoDrafter
-from dspark.drafters.base import drafter_gamma
-from dspark.engine import Engine, EngineConfig, Request, StepInfo
-from dspark.evaluation.bench import load_eval_prompts
-from dspark.sampling import SamplingParams
-from dspark.scheduling import Scheduler
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_overhead import closed_loop  # noqa: E402
+
+from dspark.api import encode_prompt, load_drafter, load_target  # noqa: E402
+from dspark.drafters import NoDrafter  # noqa: E402
+from dspark.drafters.base import drafter_gamma  # noqa: E402
+from dspark.engine import Engine, EngineConfig  # noqa: E402
+from dspark.evaluation.bench import load_eval_prompts  # noqa: E402
+from dspark.scheduling import Scheduler  # noqa: E402
 
 
 class UpkeepOnly(Scheduler):
@@ -35,24 +37,9 @@ class UpkeepOnly(Scheduler):
 
 
 def run(target, drafter, scheduler: Scheduler, prompts, args) -> dict[str, float]:
-    infos: list[StepInfo] = []
-    engine = Engine(target, drafter, scheduler, None, EngineConfig(max_running=args.concurrency), on_step=infos.append)
-    issued = 0
-
-    def issue() -> None:
-        nonlocal issued
-        length = args.max_tokens if issued >= args.concurrency else 1 + issued * args.max_tokens // args.concurrency
-        engine.add(Request(prompts[issued % len(prompts)], SamplingParams(temperature=args.temperature, seed=issued),
-                           max_tokens=length, ignore_eos=True))
-        issued += 1
-
-    for _ in range(args.concurrency):
-        issue()
-    while len(infos) < args.warmup + args.steps:
-        for out in engine.step():
-            if out.finished:
-                issue()
-    steps = infos[args.warmup:]
+    engine = Engine(target, drafter, scheduler, None, EngineConfig(max_running=args.concurrency))
+    steps = closed_loop(engine, prompts, args.concurrency, args.warmup, args.steps, args.max_tokens, args.temperature,
+                        stagger=True)
     total = sum(s.step_seconds for s in steps)
     committed = sum(len(s.accepted) + sum(s.accepted) for s in steps)
     n = len(steps)

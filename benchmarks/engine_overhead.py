@@ -24,6 +24,33 @@ from dspark.scheduling import Scheduler
 from dspark.drafters.base import drafter_gamma
 
 
+def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, warmup: int, steps: int, max_tokens: int,
+                temperature: float, stagger: bool) -> list[StepInfo]:
+    """Keep `concurrency` requests running in `engine` (a finished one is replaced at once by the next prompt)
+    and return the StepInfo of `steps` steps after the first `warmup`. stagger: the first requests ask for
+    1..max_tokens tokens, so later arrivals spread over the steps."""
+    infos: list[StepInfo] = []
+    engine.on_step = infos.append
+    issued = 0
+
+    def issue() -> None:
+        nonlocal issued
+        length = max_tokens
+        if stagger and issued < concurrency:
+            length = 1 + issued * max_tokens // concurrency
+        engine.add(Request(prompts[issued % len(prompts)], SamplingParams(temperature=temperature, seed=issued),
+                           max_tokens=length, ignore_eos=True))
+        issued += 1
+
+    for _ in range(concurrency):
+        issue()
+    while len(infos) < warmup + steps:
+        for out in engine.step():
+            if out.finished:
+                issue()
+    return infos[warmup:]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=16)
@@ -46,27 +73,9 @@ def main() -> int:
     if Scheduler(args.scheduler, drafter_gamma(drafter)).needs_cost:
         cost = step_cost_model(target, drafter, args.concurrency, args.profile)
     prompts = [encode_prompt(target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
-    infos: list[StepInfo] = []
-    engine = Engine(target, drafter, args.scheduler, cost, EngineConfig(max_running=args.concurrency),
-                    on_step=infos.append)
-    issued = 0
-
-    def issue() -> None:
-        nonlocal issued
-        length = args.max_tokens
-        if args.stagger and issued < args.concurrency:
-            length = 1 + issued * args.max_tokens // args.concurrency
-        engine.add(Request(prompts[issued % len(prompts)], SamplingParams(temperature=args.temperature, seed=issued),
-                           max_tokens=length, ignore_eos=True))
-        issued += 1
-
-    for _ in range(args.concurrency):
-        issue()
-    while len(infos) < args.warmup + args.steps:
-        for out in engine.step():
-            if out.finished:
-                issue()
-    steps = infos[args.warmup:]
+    engine = Engine(target, drafter, args.scheduler, cost, EngineConfig(max_running=args.concurrency))
+    steps = closed_loop(engine, prompts, args.concurrency, args.warmup, args.steps, args.max_tokens,
+                        args.temperature, args.stagger)
     total = sum(s.step_seconds for s in steps)
     parts = {
         "drafting call": sum(s.draft_seconds for s in steps),
