@@ -43,6 +43,7 @@ class DSparkModel(DFlashBackbone):
 
 MARKOV_TABLE_MAX_BYTES = 256 * 2**20  # a float32 [V, V] Markov bias table up to V = 8192
 MARKOV_TABLE_FILL_FRACTION = 32  # once 1/32 of its rows are computed one by one, compute the rest at once
+PENDING_FLUSH = 256  # a row's queued context tokens that trigger a projection even though nothing drafts
 
 
 def _loop_sampling(sampling: BatchSampling) -> tuple[torch.Tensor, bool, bool]:
@@ -81,52 +82,73 @@ class BlockDrafter(Drafter):
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         self.feature_layers = tuple(self.cfg.target_layer_ids)
-        self.ctx = ContextCache()
+        self.reset()
 
     @property
     def gamma(self) -> int:
         """Draft tokens proposed per round."""
         return self.cfg.num_drafts
 
-    def _append_context(self, features: torch.Tensor, counts: torch.Tensor, into: ContextCache | None = None) -> None:
-        ctx = self.ctx if into is None else into
-        start = ctx.lengths if ctx.kv else torch.zeros_like(counts)
+    @property
+    def ctx(self) -> ContextCache:
+        """The context cache with every committed token's features in it (pending ones are projected first)."""
+        self._flush()
+        return self._ctx
+
+    def _flush(self) -> None:
+        """Project the features of every row's pending tokens into the context cache, in one batched call.
+
+        Joins and rounds only queue their tokens' target features (`_pending`); the projection into the draft
+        layers' keys and values waits until the context is read (a drafting call). A server that decodes
+        plainly for a while (an adaptive scheduler backing off) then pays nothing per step for the drafter, and
+        requests that finish without ever drafting are never projected."""
+        counts = [sum(c.shape[0] for c in chunks) for chunks in self._pending]
+        if not any(counts):
+            return
+        first = next(c for chunks in self._pending for c in chunks if c.shape[0])
+        features = first.new_zeros(len(counts), max(counts), first.shape[-1])
+        for r, chunks in enumerate(self._pending):
+            if counts[r]:
+                features[r, : counts[r]] = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        start = self._ctx.lengths.to(features.device)
         positions = start.view(-1, 1) + torch.arange(features.shape[1], device=features.device).view(1, -1)
         with torch.no_grad():
             kv = self.model.context_kv(features, positions)
-        ctx.append(kv, counts)
+        self._ctx.append(kv, torch.tensor(counts, dtype=torch.long, device=features.device))
+        self._pending = [[] for _ in self._pending]
 
     def reset(self) -> None:
         """Drop every row's context."""
-        self.ctx = ContextCache()
+        self._ctx = ContextCache()
+        self._pending: list[list[torch.Tensor]] = []  # per row: target features [n, F] not yet in the context
 
     def join(self, prompts, prefill_features) -> None:
-        """Add rows whose context cache holds the prefill features (every prompt token but the last)."""
+        """Add rows whose context is the prefill features (every prompt token but the last), queued."""
         if not prompts:
             return
-        counts = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=prefill_features.device)
-        fresh = ContextCache()
-        self._append_context(prefill_features, counts, fresh)
-        self.ctx.extend(fresh)
+        self._ctx.extend(ContextCache.empty(len(prompts), prefill_features.device))
+        self._pending += [[prefill_features[r, : len(p) - 1]] for r, p in enumerate(prompts)]
 
     def observe(self, outcome: RoundOutcome) -> None:
-        """Append the features of each row's anchor and accepted drafts to the context."""
-        counts = [a + 1 for a in outcome.accepted]
-        features = outcome.features[:, : max(counts)]  # slots no row keeps are not projected
-        self._append_context(features, torch.tensor(counts, dtype=torch.long, device=features.device))
+        """Queue the features of each row's anchor and accepted drafts for the context."""
+        for r, accepted in enumerate(outcome.accepted):
+            self._pending[r].append(outcome.features[r, : accepted + 1])
+        if max((sum(c.shape[0] for c in chunks) for chunks in self._pending), default=0) >= PENDING_FLUSH:
+            self._flush()  # bounds the features held while nothing drafts (one batched projection per so many)
 
     def select(self, rows: Sequence[int]) -> None:
         """Drop finished rows from the context cache."""
-        self.ctx.select(rows)
+        self._ctx.select(rows)
+        self._pending = [self._pending[r] for r in rows]
 
     def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         """`propose` over a copy of the given rows' context (`propose` itself changes no state)."""
-        full = self.ctx
-        self.ctx = full.subset(rows)
+        full, pending = self._ctx, self._pending
+        self._ctx, self._pending = full.subset(rows), [list(pending[r]) for r in rows]
         try:
             return self.propose(sequences, sampling, generators)
         finally:
-            self.ctx = full
+            self._ctx, self._pending = full, pending
 
     @torch.no_grad()
     def block_hidden(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
