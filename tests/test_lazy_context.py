@@ -1,5 +1,6 @@
-"""The block drafters queue their context and project it only when they draft: the drafts are those of a drafter
-that projects every committed token at once, and steps that draft nothing do not run the drafter's model."""
+"""The block drafters queue each round's context and project it only when they draft: the drafts are those of a
+drafter that projects every committed token at once, and steps that draft nothing run the drafter's model only
+for joining prompts."""
 from __future__ import annotations
 
 import dspark
@@ -43,6 +44,8 @@ def requests(target) -> list[Request]:
 
 
 def run(target, drafter) -> tuple[list[Request], int, list]:
+    """The requests run through an engine drafting every third step; the drafter's projections other than
+    of joining prompts (which are projected at once); the steps."""
     calls = 0
     project = drafter.model.context_kv
 
@@ -52,6 +55,15 @@ def run(target, drafter) -> tuple[list[Request], int, list]:
         return project(*args, **kwargs)
 
     drafter.model.context_kv = counted
+    joins = 0
+    join = drafter.join
+
+    def counted_join(prompts, features):
+        nonlocal joins
+        joins += bool(prompts)
+        return join(prompts, features)
+
+    drafter.join = counted_join
     try:
         steps: list = []
         engine = Engine(target, drafter, EveryThirdStep(drafter_gamma(drafter)), config=EngineConfig(max_running=4),
@@ -60,7 +72,8 @@ def run(target, drafter) -> tuple[list[Request], int, list]:
         engine.run(reqs)
     finally:
         del drafter.model.context_kv
-    return reqs, calls, steps
+        del drafter.join
+    return reqs, calls - joins, steps
 
 
 def test_lazy_context_drafts_what_an_eager_one_drafts_and_projects_only_to_draft(bundled_target):
@@ -74,8 +87,8 @@ def test_lazy_context_drafts_what_an_eager_one_drafts_and_projects_only_to_draft
     assert sum(r.accepted for req in lazy_reqs for r in req.rounds) > 0  # the drafts were worth something
     drafted = sum(1 for s in steps if s.drafted)
     assert 0 < drafted < len(steps) // 2
-    assert lazy_calls <= drafted  # at most one projection per drafting call, none in plain steps
-    assert eager_calls > len(steps)
+    assert lazy_calls <= drafted  # past the prompts, at most one projection per drafting call, none in plain steps
+    assert eager_calls >= len(steps)  # the eager drafter projects in every step
 
 
 def test_a_long_queue_is_projected_without_a_drafting_call(bundled_target, monkeypatch):
@@ -91,3 +104,27 @@ def test_a_long_queue_is_projected_without_a_drafting_call(bundled_target, monke
     assert [[(s.draft_len, s.accepted) for s in r.rounds] for r in lazy_reqs] == \
         [[(s.draft_len, s.accepted) for s in r.rounds] for r in eager_reqs]
     assert lazy_calls > sum(1 for s in steps if s.drafted)
+
+
+def test_the_engine_catches_up_just_before_each_drafting_call_only(bundled_target):
+    """The queued context is projected in `catch_up`, outside the drafting round the cost model prices, and
+    only in steps that draft."""
+    events: list[str] = []
+
+    class Recording(BlockDrafter):
+        def catch_up(self) -> None:
+            events.append("catch_up")
+            super().catch_up()
+
+        def propose(self, sequences, sampling, generators):
+            events.append("propose")
+            return super().propose(sequences, sampling, generators)
+
+    base = dspark.load_drafter("dspark", bundled_target, calibration=None)
+    drafter = Recording(base.model, bundled_target, name="dspark")
+    steps: list = []
+    engine = Engine(bundled_target, drafter, EveryThirdStep(drafter_gamma(drafter)), config=EngineConfig(max_running=4),
+                    on_step=steps.append)
+    engine.run(requests(bundled_target)[:4])
+    drafted = sum(1 for s in steps if s.drafted)
+    assert drafted > 0 and events == ["catch_up", "propose"] * drafted

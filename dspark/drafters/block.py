@@ -98,11 +98,11 @@ class BlockDrafter(Drafter):
     def _flush(self) -> None:
         """Project the features of every row's pending tokens into the context cache, in one batched call.
 
-        Joins and rounds only queue their tokens' target features (`_pending`); the projection into the draft
-        layers' keys and values waits until the context is read (a drafting call). A server that decodes
-        plainly for a while (an adaptive scheduler backing off) then pays nothing per step for the drafter, and
-        requests that finish without ever drafting are never projected."""
-        counts = [sum(c.shape[0] for c in chunks) for chunks in self._pending]
+        Rounds only queue their tokens' target features (`_pending`); the projection into the draft layers' keys
+        and values waits until the context is read (a drafting call). A server that decodes plainly for a while
+        (an adaptive scheduler backing off) then runs no drafter model per step; its rows queue one token per
+        step each, so the batched projection pads little."""
+        counts = self._queued
         if not any(counts):
             return
         first = next(c for chunks in self._pending for c in chunks if c.shape[0])
@@ -116,39 +116,59 @@ class BlockDrafter(Drafter):
             kv = self.model.context_kv(features, positions)
         self._ctx.append(kv, torch.tensor(counts, dtype=torch.long, device=features.device))
         self._pending = [[] for _ in self._pending]
+        self._queued = [0] * len(self._pending)
+
+    def catch_up(self) -> None:
+        """Project the queued context (see `_flush`)."""
+        self._flush()
 
     def reset(self) -> None:
         """Drop every row's context."""
         self._ctx = ContextCache()
         self._pending: list[list[torch.Tensor]] = []  # per row: target features [n, F] not yet in the context
+        self._queued: list[int] = []  # per row: tokens in _pending
 
     def join(self, prompts, prefill_features) -> None:
-        """Add rows whose context is the prefill features (every prompt token but the last), queued."""
+        """Add rows whose context cache holds the prefill features (every prompt token but the last).
+
+        Prompts are projected at once, for the joining rows alone: queued, a long prompt would set the width
+        of the next batched projection (and of the cache's next append) for every row."""
         if not prompts:
             return
-        self._ctx.extend(ContextCache.empty(len(prompts), prefill_features.device))
-        self._pending += [[prefill_features[r, : len(p) - 1]] for r, p in enumerate(prompts)]
+        counts = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=prefill_features.device)
+        fresh = ContextCache.empty(len(prompts), prefill_features.device)
+        if int(counts.max()) > 0:
+            positions = torch.arange(prefill_features.shape[1], device=prefill_features.device).view(1, -1)
+            with torch.no_grad():
+                kv = self.model.context_kv(prefill_features, positions.expand(len(prompts), -1))
+            fresh.append(kv, counts)
+        self._ctx.extend(fresh)
+        self._pending += [[] for _ in prompts]
+        self._queued += [0] * len(prompts)
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Queue the features of each row's anchor and accepted drafts for the context."""
         for r, accepted in enumerate(outcome.accepted):
             self._pending[r].append(outcome.features[r, : accepted + 1])
-        if max((sum(c.shape[0] for c in chunks) for chunks in self._pending), default=0) >= PENDING_FLUSH:
+            self._queued[r] += accepted + 1
+        if max(self._queued, default=0) >= PENDING_FLUSH:
             self._flush()  # bounds the features held while nothing drafts (one batched projection per so many)
 
     def select(self, rows: Sequence[int]) -> None:
         """Drop finished rows from the context cache."""
         self._ctx.select(rows)
         self._pending = [self._pending[r] for r in rows]
+        self._queued = [self._queued[r] for r in rows]
 
     def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         """`propose` over a copy of the given rows' context (`propose` itself changes no state)."""
-        full, pending = self._ctx, self._pending
-        self._ctx, self._pending = full.subset(rows), [list(pending[r]) for r in rows]
+        full, pending, queued = self._ctx, self._pending, self._queued
+        self._ctx, self._pending, self._queued = full.subset(rows), [list(pending[r]) for r in rows], \
+            [queued[r] for r in rows]
         try:
             return self.propose(sequences, sampling, generators)
         finally:
-            self._ctx, self._pending = full, pending
+            self._ctx, self._pending, self._queued = full, pending, queued
 
     @torch.no_grad()
     def block_hidden(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
