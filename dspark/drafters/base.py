@@ -121,11 +121,6 @@ class Drafter:
     def observe(self, outcome: RoundOutcome) -> None:
         """Learn what the last round accepted."""
 
-    def catch_up(self) -> None:
-        """Do now the per-token work that earlier rounds deferred to the next drafting call (a drafter that
-        queues its context projects it here); the engine calls it just before a drafting call and counts its
-        time with the work per committed token, not as the drafting round's cost."""
-
     def select(self, rows: Sequence[int]) -> None:
         """Keep only the given rows of any per-request state."""
 

@@ -43,7 +43,6 @@ class DSparkModel(DFlashBackbone):
 
 MARKOV_TABLE_MAX_BYTES = 256 * 2**20  # a float32 [V, V] Markov bias table up to V = 8192
 MARKOV_TABLE_FILL_FRACTION = 32  # once 1/32 of its rows are computed one by one, compute the rest at once
-PENDING_FLUSH = 256  # a row's queued context tokens that trigger a projection even though nothing drafts
 
 
 def _loop_sampling(sampling: BatchSampling) -> tuple[torch.Tensor, bool, bool]:
@@ -82,93 +81,52 @@ class BlockDrafter(Drafter):
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         self.feature_layers = tuple(self.cfg.target_layer_ids)
-        self.reset()
+        self.ctx = ContextCache()
 
     @property
     def gamma(self) -> int:
         """Draft tokens proposed per round."""
         return self.cfg.num_drafts
 
-    @property
-    def ctx(self) -> ContextCache:
-        """The context cache with every committed token's features in it (pending ones are projected first)."""
-        self._flush()
-        return self._ctx
-
-    def _flush(self) -> None:
-        """Project the features of every row's pending tokens into the context cache, in one batched call.
-
-        Rounds only queue their tokens' target features (`_pending`); the projection into the draft layers' keys
-        and values waits until the context is read (a drafting call). A server that decodes plainly for a while
-        (an adaptive scheduler backing off) then runs no drafter model per step; its rows queue one token per
-        step each, so the batched projection pads little."""
-        counts = self._queued
-        if not any(counts):
-            return
-        first = next(c for chunks in self._pending for c in chunks if c.shape[0])
-        features = first.new_zeros(len(counts), max(counts), first.shape[-1])
-        for r, chunks in enumerate(self._pending):
-            if counts[r]:
-                features[r, : counts[r]] = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-        start = self._ctx.lengths.to(features.device)
+    def _append_context(self, features: torch.Tensor, counts: torch.Tensor, into: ContextCache | None = None) -> None:
+        ctx = self.ctx if into is None else into
+        start = ctx.lengths if ctx.kv else torch.zeros_like(counts)
         positions = start.view(-1, 1) + torch.arange(features.shape[1], device=features.device).view(1, -1)
         with torch.no_grad():
             kv = self.model.context_kv(features, positions)
-        self._ctx.append(kv, torch.tensor(counts, dtype=torch.long, device=features.device))
-        self._pending = [[] for _ in self._pending]
-        self._queued = [0] * len(self._pending)
-
-    def catch_up(self) -> None:
-        """Project the queued context (see `_flush`)."""
-        self._flush()
+        ctx.append(kv, counts)
 
     def reset(self) -> None:
         """Drop every row's context."""
-        self._ctx = ContextCache()
-        self._pending: list[list[torch.Tensor]] = []  # per row: target features [n, F] not yet in the context
-        self._queued: list[int] = []  # per row: tokens in _pending
+        self.ctx = ContextCache()
 
     def join(self, prompts, prefill_features) -> None:
-        """Add rows whose context cache holds the prefill features (every prompt token but the last).
-
-        Prompts are projected at once, for the joining rows alone: queued, a long prompt would set the width
-        of the next batched projection (and of the cache's next append) for every row."""
+        """Add rows whose context cache holds the prefill features (every prompt token but the last)."""
         if not prompts:
             return
         counts = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=prefill_features.device)
-        fresh = ContextCache.empty(len(prompts), prefill_features.device)
-        if int(counts.max()) > 0:
-            positions = torch.arange(prefill_features.shape[1], device=prefill_features.device).view(1, -1)
-            with torch.no_grad():
-                kv = self.model.context_kv(prefill_features, positions.expand(len(prompts), -1))
-            fresh.append(kv, counts)
-        self._ctx.extend(fresh)
-        self._pending += [[] for _ in prompts]
-        self._queued += [0] * len(prompts)
+        fresh = ContextCache()
+        self._append_context(prefill_features, counts, fresh)
+        self.ctx.extend(fresh)
 
     def observe(self, outcome: RoundOutcome) -> None:
-        """Queue the features of each row's anchor and accepted drafts for the context."""
-        for r, accepted in enumerate(outcome.accepted):
-            self._pending[r].append(outcome.features[r, : accepted + 1])
-            self._queued[r] += accepted + 1
-        if max(self._queued, default=0) >= PENDING_FLUSH:
-            self._flush()  # bounds the features held while nothing drafts (one batched projection per so many)
+        """Append the features of each row's anchor and accepted drafts to the context."""
+        counts = [a + 1 for a in outcome.accepted]
+        features = outcome.features[:, : max(counts)]  # slots no row keeps are not projected
+        self._append_context(features, torch.tensor(counts, dtype=torch.long, device=features.device))
 
     def select(self, rows: Sequence[int]) -> None:
         """Drop finished rows from the context cache."""
-        self._ctx.select(rows)
-        self._pending = [self._pending[r] for r in rows]
-        self._queued = [self._queued[r] for r in rows]
+        self.ctx.select(rows)
 
     def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         """`propose` over a copy of the given rows' context (`propose` itself changes no state)."""
-        full, pending, queued = self._ctx, self._pending, self._queued
-        self._ctx, self._pending, self._queued = full.subset(rows), [list(pending[r]) for r in rows], \
-            [queued[r] for r in rows]
+        full = self.ctx
+        self.ctx = full.subset(rows)
         try:
             return self.propose(sequences, sampling, generators)
         finally:
-            self._ctx, self._pending, self._queued = full, pending, queued
+            self.ctx = full
 
     @torch.no_grad()
     def block_hidden(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -37,14 +37,6 @@ class ContextCache:
         self.compact_slack = compact_slack
         self.dense = True
 
-    @classmethod
-    def empty(cls, rows: int, device: torch.device | str = "cpu", compact_slack: int = 64) -> "ContextCache":
-        """A cache of `rows` rows that hold no context yet."""
-        cache = cls(compact_slack)
-        cache.valid = torch.zeros(rows, 0, dtype=torch.bool, device=device)
-        cache.lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        return cache
-
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (keys, values), each [R, KV, T, hd]; empty before the first append."""
@@ -56,8 +48,6 @@ class ContextCache:
         new_valid = torch.arange(q, device=counts.device).view(1, -1) < counts.view(-1, 1)
         self.dense = (self.dense or not self.layers) and bool((counts == q).all())
         if not self.layers:
-            if self.lengths.numel() and self.lengths.numel() != counts.numel():
-                raise ValueError(f"appending {counts.numel()} rows to a context cache of {self.lengths.numel()} rows")
             self.layers = [_layer(k, v) for k, v in kv]
             self.valid = new_valid
             self.lengths = counts.clone()
@@ -80,25 +70,15 @@ class ContextCache:
 
     def extend(self, other: "ContextCache") -> None:
         """Append the rows of `other` after these rows, padding the shorter side's slots (masked)."""
-        rows, mine_rows = int(other.lengths.shape[0]), int(self.lengths.shape[0])
-        if not rows:
+        if not other.layers:
             return
-        if not mine_rows:
+        if not self.layers:
             self.layers, self.valid, self.lengths, self.dense = other.layers, other.valid, other.lengths, other.dense
             return
         width = max(self.valid.shape[1], other.valid.shape[1])
-        if self.layers:  # other's rows without layers hold no slots: zeros, masked
-            for i, mine in enumerate(self.layers):
-                theirs = other.layers[i] if other.layers else None
-                mine.extend_rows(None if theirs is None else theirs.keys, None if theirs is None else theirs.values,
-                                 rows, width)
-        elif other.layers:  # these rows hold no slots yet
-            stacked = []
-            for theirs in other.layers:
-                layer = HeadroomLayer()
-                layer.stack_rows([(None, None, mine_rows), (theirs.keys, theirs.values, rows)], width)
-                stacked.append(layer)
-            self.layers = stacked
+        rows = int(other.lengths.shape[0])
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.extend_rows(theirs.keys, theirs.values, rows, width)
         pad = torch.nn.functional.pad
         self.valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
                                 pad(other.valid, (0, width - other.valid.shape[1]))], 0)

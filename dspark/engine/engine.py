@@ -214,7 +214,6 @@ class Engine:
         self._fresh: set[int] = set()  # requests whose first token was committed in this step
         self._join_seconds = 0.0
         self._prefill_slots = 0
-        self._catch_up_seconds = 0.0  # the drafter's deferred context work before this step's drafting call
         # (start, round seconds, rows, committed tokens, prefill seconds) of the last step with a round
         self._last_round: tuple[float, float, int, int, float] | None = None
         self.request_errors = 0  # requests finished with "error" by a fault in their own drafting
@@ -290,7 +289,7 @@ class Engine:
         self._drop_cancelled(outputs)
         self._admit()
         prefill_start = time.perf_counter()
-        self._join_seconds, self._prefill_slots, self._catch_up_seconds = 0.0, 0, 0.0
+        self._join_seconds, self._prefill_slots = 0.0, 0
         prefill_tokens = self._prefill(outputs)
         prefill_seconds = time.perf_counter() - prefill_start
         info = self._decode_round(outputs) if self.running else None
@@ -301,7 +300,7 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(info)
         self._last_round = None if info is None else \
-            (start, info.seconds, info.batch, self._committed - committed, prefill_seconds + self._catch_up_seconds)
+            (start, info.seconds, info.batch, self._committed - committed, prefill_seconds)
         self._last_step = None
         if info is not None:
             greedy = sum(req.sampling.greedy for req in self.running) / len(self.running) if self.running else 0.0
@@ -557,14 +556,6 @@ class Engine:
         device, sched = self.target.device, self.scheduler
         batch = self._round_inputs()
         drafted, faulted = self._wants_drafts(batch.budget), False
-        if drafted:  # context work deferred by earlier plain rounds: paid per committed token, not by this round
-            catch = time.perf_counter()
-            try:
-                self.drafter.catch_up()
-            except Exception:  # noqa: BLE001 - the drafting call meets the same fault and isolates its rows
-                pass
-            self._catch_up_seconds = time.perf_counter() - catch
-            start += self._catch_up_seconds
         block = self._propose(batch, outputs) if drafted else None
         if drafted and block is None:  # the rows whose drafting raised have left: the rest decode without drafts
             drafted, faulted = False, True
