@@ -46,6 +46,15 @@ class HeadroomLayer(DynamicLayer):
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
 
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor) -> "HeadroomLayer":
+        """A layer holding these tensors as they are: not views of its buffers, so the first append or row edit
+        re-homes them into buffers of its own and never writes into the tensors given."""
+        layer = cls()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        return layer
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._kbuf: torch.Tensor | None = None

@@ -14,14 +14,6 @@ import torch
 from dspark.kv_cache import HeadroomLayer
 
 
-def _layer(keys: torch.Tensor, values: torch.Tensor) -> HeadroomLayer:
-    """A layer holding these tensors as they are (not views of its buffers: the first append re-homes them)."""
-    layer = HeadroomLayer()
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
-    return layer
-
-
 class ContextCache:
     """Per-layer projected context K/V [R, KV, T, hd] for a batch of rows of different lengths (padding masked).
 
@@ -48,7 +40,7 @@ class ContextCache:
         new_valid = torch.arange(q, device=counts.device).view(1, -1) < counts.view(-1, 1)
         self.dense = (self.dense or not self.layers) and bool((counts == q).all())
         if not self.layers:
-            self.layers = [_layer(k, v) for k, v in kv]
+            self.layers = [HeadroomLayer.holding(k, v) for k, v in kv]
             self.valid = new_valid
             self.lengths = counts.clone()
         else:
@@ -98,7 +90,7 @@ class ContextCache:
         """A new cache holding copies of the given rows; this one is left as it is."""
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
         part = ContextCache(self.compact_slack)
-        part.layers = [_layer(layer.keys[idx], layer.values[idx]) for layer in self.layers]
+        part.layers = [HeadroomLayer.holding(layer.keys[idx], layer.values[idx]) for layer in self.layers]
         part.valid, part.lengths = self.valid[idx], self.lengths[idx]
         part.dense = self.dense or bool(part.valid.all())
         return part

@@ -216,15 +216,9 @@ class Eagle3Drafter(Drafter):
         """`propose` for the given rows; the state is then restored (their pairs stay pending)."""
         state = self._state()
         try:
-            if self.cache.is_initialized:  # a copy of the rows: selecting in place would move the batch's rows
-                idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
-                part = HeadroomLayer()
-                part.lazy_initialization(self.cache.keys, self.cache.values)
-                part.keys, part.values = self.cache.keys[idx], self.cache.values[idx]
-                self.cache = part
-            self.valid, self.lengths = self.valid[rows], self.lengths[rows]
-            self.pending_feats = [self.pending_feats[r] for r in rows]
-            self.pending_toks = [self.pending_toks[r] for r in rows]
+            if self.cache.is_initialized:  # selects into a copy: in place it would move the batch's own rows
+                self.cache = HeadroomLayer.holding(self.cache.keys, self.cache.values)
+            self.select(rows)
             return self._propose(sequences, sampling, generators)
         finally:
             self._restore(state)
