@@ -31,6 +31,7 @@ from dspark.calibration.metrics import (
     brier,
     calibration_report,
     ece,
+    ece_std_error,
     format_report_table,
     log_loss,
     reliability_diagram,
@@ -488,3 +489,68 @@ def test_round_records_save_and_load(tmp_path) -> None:
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ValueError, match="rounds.safetensors"):
         RoundRecords.load(path)
+
+
+def test_round_records_keep_prompt_ids_through_save_subset_and_concat(tmp_path) -> None:
+    records = head_records(n=12)
+    records.prompt = torch.arange(12) // 3  # four prompts of three rounds each
+    records.domain = ["code"] * 6 + ["chat"] * 6  # prompt 1 spans both domains: two clusters
+    loaded = RoundRecords.load(records.save(tmp_path / "r.safetensors"))
+    assert torch.equal(loaded.prompt, records.prompt)
+    sub = loaded.subset(loaded.prompt != 1)
+    assert sub.prompt.tolist() == [0, 0, 0, 2, 2, 2, 3, 3, 3]
+    both = RoundRecords.concat([sub, head_records(n=2)])
+    assert both.prompt.tolist()[-2:] == [-1, -1]  # rounds of unknown prompts
+    # a cluster is a (domain, prompt) pair; every unknown-prompt round is its own cluster
+    c = both.clusters().tolist()
+    assert len(set(c)) == len({(d, p) for d, p in zip(sub.domain, sub.prompt.tolist())}) + 2
+    assert c[0] == c[1] == c[2] != c[3] and c[3] == c[4] == c[5] != c[6]
+
+
+def test_round_records_files_without_prompt_ids_still_load(tmp_path) -> None:
+    from safetensors.torch import load, save
+
+    records = head_records(n=5)
+    path = records.save(tmp_path / "old.safetensors")
+    raw = path.read_bytes()
+    meta = json.loads(raw[8: 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+    tensors = {k: v for k, v in load(raw).items() if k != "prompt"}  # written before prompt ids existed
+    path.write_bytes(save(tensors, metadata=meta))
+    assert RoundRecords.load(path).prompt.tolist() == [-1] * 5
+
+
+def _clustered(n_prompts: int, per_prompt: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """Predictions that are right on average but wrong per prompt: each prompt shifts its rows' truth."""
+    pred = 0.2 + 0.6 * torch.rand(n_prompts * per_prompt, generator=gen, dtype=torch.float64)
+    shift = (torch.rand(n_prompts, generator=gen, dtype=torch.float64) - 0.5) * 0.4
+    clusters = torch.arange(n_prompts).repeat_interleave(per_prompt)
+    truth = (pred + shift[clusters]).clamp(0, 1)
+    label = (torch.rand(pred.shape, generator=gen, dtype=torch.float64) < truth).double()
+    return pred, label, clusters
+
+
+def test_ece_standard_error_resamples_whole_prompts() -> None:
+    gen = torch.Generator().manual_seed(0)
+    pred, label, clusters = _clustered(40, 200, gen)
+    se = ece_std_error(pred, label, clusters)
+    se_rows = ece_std_error(pred, label, torch.arange(pred.numel()))  # every row its own cluster
+    # how much does the ECE of a fresh draw of 40 prompts from the same world differ? The per-prompt
+    # bootstrap knows it; taking rows as independent gives about half of it
+    fresh = torch.tensor([ece(*_clustered(40, 200, gen)[:2]) for _ in range(40)])
+    assert 0.7 * float(fresh.std()) < se < 1.5 * float(fresh.std())
+    assert se_rows < 0.7 * float(fresh.std())
+    assert ece_std_error([0.5, 0.5], [1.0, 1.0], [0, 0]) == 0.0
+    assert math.isnan(ece_std_error([], [], []))
+    with pytest.raises(ValueError, match="clusters"):
+        ece_std_error([0.5, 0.5], [1.0, 0.0], [0])
+
+
+def test_calibration_report_gives_a_prompt_standard_error_per_domain() -> None:
+    records = head_records(n=3000)
+    records.prompt = torch.arange(3000) // 30
+    report = calibration_report(records, HeadTemperatureMap([2.0, 1.0, 1.0, 2.0]))
+    for name in ("all", "chat", "code"):
+        assert 0 < report["ece_se"][name] < 0.05
+    assert report["ece_se"]["code"] > report["ece_se"]["all"]  # a third of the rounds
+    assert "ECE standard error (prompts resampled)" in format_report_table(report, report)

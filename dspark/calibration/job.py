@@ -37,7 +37,7 @@ def record_rounds(target: CausalLM, drafter: Drafter, prompts: Sequence[Sequence
         chunk = [list(p) for p in prompts[start : start + batch_size]]
         params = [SamplingParams(temperature, top_k, top_p, seed + start + i) for i in range(len(chunk))]
         results = decode(target, drafter, chunk, params, max_new_tokens, scheduler="fixed", record_signals=True)
-        parts.append(records_from_results(results, temperature, domain))
+        parts.append(records_from_results(results, temperature, domain, first_prompt=start))
     return RoundRecords.concat(parts)
 
 

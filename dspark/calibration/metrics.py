@@ -169,6 +169,38 @@ def ece_noise_floor(cond: torch.Tensor, available: torch.Tensor, rows: torch.Ten
     return total / draws
 
 
+def ece_std_error(pred: ArrayLike, label: ArrayLike, clusters: ArrayLike, draws: int = 200,
+                  bins: int = DEFAULT_BINS, seed: int = 0) -> float:
+    """Standard error of the ECE, by resampling whole clusters with replacement (a cluster bootstrap).
+
+    clusters: one id per row; the rows of a cluster (every position of every round of one prompt) are drawn
+    together, because they are correlated: resampling rows as if independent understates how much the ECE
+    of another draw of prompts would differ. NaN for no rows.
+    """
+    p, y = _pair(pred, label)
+    c = torch.as_tensor(clusters, dtype=torch.long).reshape(-1)
+    if c.shape != p.shape:
+        raise ValueError(f"clusters and predictions differ in length: {c.numel()} vs {p.numel()}")
+    if not p.numel():
+        return math.nan
+    _, c = torch.unique(c, return_inverse=True)
+    n_clusters = int(c.max()) + 1
+    idx = _bin_index(p, bins)
+    gap = p - y
+    gen = torch.Generator().manual_seed(seed)
+    values = []
+    for start in range(0, draws, 25):
+        g = min(25, draws - start)
+        picks = torch.randint(n_clusters, (g, n_clusters), generator=gen)
+        counts = torch.zeros(g, n_clusters, dtype=torch.float64).scatter_add_(
+            1, picks, torch.ones(g, n_clusters, dtype=torch.float64))
+        w = counts[:, c]  # [g, m] row weights
+        flat = (idx.view(1, -1) + torch.arange(g).view(-1, 1) * bins).reshape(-1)
+        sums = torch.zeros(g * bins, dtype=torch.float64).index_add_(0, flat, (w * gap).reshape(-1))
+        values.append(sums.view(g, bins).abs().sum(1) / w.sum(1))
+    return float(torch.cat(values).std())
+
+
 def calibration_report(records: RoundRecords, survival_map: SurvivalMap,
                        workload_maps: Mapping[str, SurvivalMap] | None = None) -> dict[str, Any]:
     """Score a survival map on recorded rounds, per domain and over all of them ("all").
@@ -176,7 +208,7 @@ def calibration_report(records: RoundRecords, survival_map: SurvivalMap,
     workload_maps: maps that score the rounds of their domain instead of `survival_map` (per-workload
     calibration); every other round is scored with `survival_map`.
     Layout: {"gamma", "rounds", "headline_ece": {domain: pooled cumulative ECE}, "ece_floor": {domain: its
-    `ece_noise_floor`}, "domains": {domain: {"rounds", "conditional": S, "cumulative": S}}} where S is
+    `ece_noise_floor`}, "ece_se": {domain: its `ece_std_error` over prompts}, "domains": {domain: {"rounds", "conditional": S, "cumulative": S}}} where S is
     {"pooled": scores, "per_position": [{"position": k, **scores}, ...]} and scores are
     {"count", "ece", "brier", "auroc", "log_loss"}. NaN becomes None, so the dict is JSON-serialisable.
     """
@@ -185,7 +217,8 @@ def calibration_report(records: RoundRecords, survival_map: SurvivalMap,
     cond_y, cond_valid = records.conditional_labels()
     cum_y, cum_valid = records.cumulative_labels()
     report: dict[str, Any] = {"gamma": records.gamma, "rounds": len(records), "headline_ece": {},
-                              "ece_floor": {}, "domains": {}}
+                              "ece_floor": {}, "ece_se": {}, "domains": {}}
+    clusters = records.clusters().view(-1, 1).expand(-1, records.gamma)
     for name in _domain_names(records):
         rows = torch.ones(len(records), dtype=torch.bool) if name == "all" else \
             torch.tensor([d == name for d in labels], dtype=torch.bool)
@@ -193,9 +226,12 @@ def calibration_report(records: RoundRecords, survival_map: SurvivalMap,
                  "conditional": _kind_scores(cond, cond_y, cond_valid & rows.view(-1, 1)),
                  "cumulative": _kind_scores(cum, cum_y, cum_valid & rows.view(-1, 1))}
         entry["cumulative"]["pooled"]["ece_floor"] = ece_noise_floor(cond, records.available, rows)
+        keep = cum_valid & rows.view(-1, 1)
+        entry["cumulative"]["pooled"]["ece_se"] = ece_std_error(cum[keep], cum_y[keep], clusters[keep])
         report["domains"][name] = entry
         report["headline_ece"][name] = entry["cumulative"]["pooled"]["ece"]
         report["ece_floor"][name] = entry["cumulative"]["pooled"]["ece_floor"]
+        report["ece_se"][name] = entry["cumulative"]["pooled"]["ece_se"]
     return json_safe(report)
 
 
@@ -235,6 +271,7 @@ def format_report_table(before: dict[str, Any], after: dict[str, Any],
                   "|---|" + "---:|" * len(columns)]
         rows = [("cumulative ECE (pooled)", "cumulative", "ece", None),
                 ("ECE noise floor (perfectly calibrated, same rows)", "cumulative", "ece_floor", None),
+                ("ECE standard error (prompts resampled)", "cumulative", "ece_se", None),
                 ("cumulative Brier (pooled)", "cumulative", "brier", None),
                 ("cumulative AUROC (pooled)", "cumulative", "auroc", None),
                 ("cumulative log loss (pooled)", "cumulative", "log_loss", None),
