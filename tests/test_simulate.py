@@ -86,6 +86,22 @@ def test_full_acceptance_commits_a_whole_block_per_round():
     assert res.per_user_median == pytest.approx(8 / uniform_cost_model().cost(2, 2 * 8))
 
 
+def test_a_first_round_without_drafts_is_consumed_by_a_plain_step():
+    """Recorded requests start with the prefill's round, which offers no drafts: a plain step is that round.
+    (Until this was fixed, round pointers moved only on drafted steps, so every request stayed at its first
+    round and no scheduler ever drafted.)"""
+    reqs = [TraceRequest.build([0, 7, 7, 7], available=[0, 7, 7, 7], gamma=7, tokens=25) for _ in range(3)]
+    trace = Trace(reqs, 0.0, 7)
+    for batch in (1, 2):
+        res = simulate(trace, "fixed:7", uniform_cost_model(), ConstantMap([0.5] * 7), concurrency=batch, steps=8)
+        # per request (in lockstep): a plain step for its first round, then three drafted rounds of 8 tokens
+        # (25 tokens: finished), then the next request the same
+        assert res.draft_share == pytest.approx(6 / 8)
+        assert res.tokens == 2 * 25 * batch and res.finished == 2 * batch
+        assert res.tau == pytest.approx(50 / 8)
+        assert res.verified_per_step == pytest.approx(7 * batch * 6 / 8)
+
+
 class PlanOnly(Scheduler):
     """DSpark's per-step plan without its back-off (never skips drafting)."""
 

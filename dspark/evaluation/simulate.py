@@ -355,7 +355,9 @@ def simulate(traces: Trace | Sequence[Trace], scheduler_spec: str | Scheduler, c
     min(ℓ, A) of the round's A accepted drafts and commits that + 1; the step costs
     cost.cost(B, step_tokens(ℓ, cost.layout)) and every round pointer advances. Otherwise (scheduler
     "none", an adaptive policy backing off, nothing left to draft) every request commits 1 token, the step
-    costs cost.plain_cost(B) and the round pointers stay. A request finishes once it has committed as many
+    costs cost.plain_cost(B) and the round pointers stay, but for rounds that offered no drafts (each request's
+    first round, whose token the prefill sampled): those were plain rounds, and the step consumes them. A
+    request finishes once it has committed as many
     tokens as in its trace; a new request takes its slot from the next step.
 
     Assumptions: acceptance is prefix-wise, so a verified prefix of ℓ accepts min(ℓ, A); later rounds do
@@ -410,6 +412,9 @@ def _simulate(pool: _Pool, spec: str | Scheduler, cost: CostModel, concurrency: 
         else:
             commit = np.ones(num, dtype=np.int64)
             seconds = cost.plain_cost(num)
+            # a round that offered no drafts (each request's first, the prefill's token) was a plain round:
+            # this step is it; the others keep their drafts for the next drafted step
+            ptr = np.where(pool.available[g] == 0, (ptr + 1) % pool.rounds[req], ptr)
         commit = np.minimum(commit, remaining)
         done += commit
         busy += seconds
