@@ -81,6 +81,15 @@ def pooled_ece(survival: torch.Tensor, records: RoundRecords) -> float:
     return ece(survival[valid], labels[valid])
 
 
+def pooled_ece_se(survival: torch.Tensor, records: RoundRecords) -> float:
+    """Standard error of `pooled_ece` by resampling prompts (the rounds of one prompt are drawn together)."""
+    from dspark.calibration.metrics import ece_std_error
+
+    labels, valid = records.cumulative_labels()
+    clusters = records.clusters().view(-1, 1).expand_as(valid)
+    return ece_std_error(survival[valid], labels[valid], clusters[valid])
+
+
 def make_calibrator(prior: Calibration, gamma: int, args: argparse.Namespace, **overrides) -> OnlineCalibrator:
     kw = {"decay": args.decay, "refit_every": args.refit_every, "max_step": args.max_step, "min_rounds": args.min_rounds,
               "max_request_share": args.max_request_share, "position_ridge": args.position_ridge,
@@ -139,6 +148,7 @@ def frozen_after(stream: RoundRecords, offline: Calibration, online: OnlineCalib
         prev = torch.cat([torch.ones_like(a[:, :1]), a[:, :-1]], dim=1)
         cond = torch.where(prev > 0, a / prev.clamp_min(1e-12), torch.zeros_like(a)).clamp(0, 1)
         out[f"{name}_ece"] = pooled_ece(a, late)
+        out[f"{name}_se"] = pooled_ece_se(a, late)
         out[f"{name}_floor"] = ece_noise_floor(cond, late.available, everything)
     return out
 
@@ -280,7 +290,7 @@ def main() -> None:
     both = RoundRecords.concat([rec["prose"], rec["math"]])
     order = torch.randperm(len(both), generator=torch.Generator().manual_seed(args.shuffle_seed))
     stream = RoundRecords(both.signals[order], both.available[order], both.accepted[order], both.greedy[order],
-                          [both.domain[i] for i in order.tolist()])
+                          [both.domain[i] for i in order.tolist()], both.prompt[order])
     hindsight = Calibration({args.temperature: fit_sequential_temperature(stream)})
     online = make_calibrator(offline, gamma, args)
     pre = prequential(stream, offline, online, hindsight, args.temperature, args.window, args.every)
@@ -314,6 +324,13 @@ def main() -> None:
             "online_ece_last": cps[-1]["online_ece"], "offline_ece_last": cps[-1]["offline_ece"],
             "target_met": bool(reach is not None and reach <= 300 and
                                all(c["offline_ece"] > TARGET_ECE for c in after300)),
+            # the same claim judged on one large sample instead of every noisy 300-round window: online at most
+            # 3% at round 300, and on every later round the calibrator as it was at 300 (frozen) at most 3%
+            # while the offline-only map is above 3% by more than two prompt-resampled standard errors
+            "target_met_on_later_rounds": bool(
+                at.get(300, {}).get("online_ece", math.inf) <= TARGET_ECE and frozen
+                and frozen["online_frozen_ece"] <= TARGET_ECE
+                and frozen["offline_ece"] - 2 * frozen["offline_se"] > TARGET_ECE),
         },
         "online_state": online.state_dict(),
         "poisoning": poison,
@@ -354,11 +371,15 @@ def main() -> None:
         "whole stream: " + ", ".join(f"{k} {pct(v)}" for k, v in pre["whole_stream_ece"].items()),
         f"all rounds from {args.window} on (one large sample, less noise than a {args.window}-round window): "
         + ", ".join(f"{k} {pct(v)}" for k, v in pre[f"ece_from_round_{args.window}"].items()),
-        f"target (online <= 3% within 300 rounds, offline above): {'met' if s['target_met'] else 'NOT met'}",
+        (f"target judged on every 300-round window (online <= 3% in each from round 300 on, offline above in "
+         f"each): {'met' if s['target_met'] else 'NOT met'}"),
         (f"online calibrator frozen after {frozen.get('after_rounds')} rounds, scored on the "
-         f"{frozen.get('scored_rounds')} later rounds: online {pct(frozen.get('online_frozen_ece'))} (noise floor "
-         f"{pct(frozen.get('online_frozen_floor'))}), offline only {pct(frozen.get('offline_ece'))} (noise floor "
-         f"{pct(frozen.get('offline_floor'))})"),
+         f"{frozen.get('scored_rounds')} later rounds: online {pct(frozen.get('online_frozen_ece'))} "
+         f"± {pct(frozen.get('online_frozen_se'))} (noise floor {pct(frozen.get('online_frozen_floor'))}), "
+         f"offline only {pct(frozen.get('offline_ece'))} ± {pct(frozen.get('offline_se'))} (noise floor "
+         f"{pct(frozen.get('offline_floor'))}); ± is the standard error over prompts resampled"),
+        (f"target judged on those later rounds (online <= 3% at round 300 and frozen there; offline above 3% by "
+         f"over two standard errors): {'met' if s['target_met_on_later_rounds'] else 'NOT met'}"),
         "",
         "poisoning (max / mean |change| of the victim's cumulative survival on the prose rounds):",
     ]
