@@ -208,9 +208,9 @@ def calibration_report(records: RoundRecords, survival_map: SurvivalMap,
     workload_maps: maps that score the rounds of their domain instead of `survival_map` (per-workload
     calibration); every other round is scored with `survival_map`.
     Layout: {"gamma", "rounds", "headline_ece": {domain: pooled cumulative ECE}, "ece_floor": {domain: its
-    `ece_noise_floor`}, "ece_se": {domain: its `ece_std_error` over prompts}, "domains": {domain: {"rounds", "conditional": S, "cumulative": S}}} where S is
-    {"pooled": scores, "per_position": [{"position": k, **scores}, ...]} and scores are
-    {"count", "ece", "brier", "auroc", "log_loss"}. NaN becomes None, so the dict is JSON-serialisable.
+    `ece_noise_floor`}, "ece_se": {domain: its `ece_std_error` over prompts}, "domains": {domain: {"rounds",
+    "conditional": S, "cumulative": S}}} where S is {"pooled": scores, "per_position": [{"position": k,
+    **scores}, ...]} and scores are {"count", "ece", "brier", "auroc", "log_loss"}. NaN becomes None, so the dict is JSON-serialisable.
     """
     labels = ["unlabelled" if d == "" else d for d in records.domain]
     cond, cum = predict(records, survival_map, workload_maps)

@@ -5,7 +5,7 @@ A record is one round of one request whose whole draft block was verified: its s
 target accepted (`accepted`). Labels follow: draft k survived iff accepted ≥ k (cumulative); given that
 drafts 1..k−1 survived, draft k survived iff accepted ≥ k (conditional). Each round also keeps the index of
 the prompt it came from within its domain (`prompt`, −1 where unknown): rounds of one request are
-correlated, so uncertainty is estimated by resampling prompts, not rounds (`metrics.ece_interval`).
+correlated, so uncertainty is estimated by resampling prompts, not rounds (`metrics.ece_std_error`).
 """
 from __future__ import annotations
 

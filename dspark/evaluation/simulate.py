@@ -357,8 +357,8 @@ def simulate(traces: Trace | Sequence[Trace], scheduler_spec: str | Scheduler, c
     "none", an adaptive policy backing off, nothing left to draft) every request commits 1 token, the step
     costs cost.plain_cost(B) and the round pointers stay, but for rounds that offered no drafts (each request's
     first round, whose token the prefill sampled): those were plain rounds, and the step consumes them. A
-    request finishes once it has committed as many
-    tokens as in its trace; a new request takes its slot from the next step.
+    request finishes once it has committed as many tokens as in its trace; a new request takes its slot from
+    the next step.
 
     Assumptions: acceptance is prefix-wise, so a verified prefix of ℓ accepts min(ℓ, A); later rounds do
     not depend on the chosen ℓ (the next round's draft quality is the trace's next round, whatever the
