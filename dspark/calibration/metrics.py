@@ -210,7 +210,8 @@ def calibration_report(records: RoundRecords, survival_map: SurvivalMap,
     Layout: {"gamma", "rounds", "headline_ece": {domain: pooled cumulative ECE}, "ece_floor": {domain: its
     `ece_noise_floor`}, "ece_se": {domain: its `ece_std_error` over prompts}, "domains": {domain: {"rounds",
     "conditional": S, "cumulative": S}}} where S is {"pooled": scores, "per_position": [{"position": k,
-    **scores}, ...]} and scores are {"count", "ece", "brier", "auroc", "log_loss"}. NaN becomes None, so the dict is JSON-serialisable.
+    **scores}, ...]} and scores are {"count", "ece", "brier", "auroc", "log_loss"}. NaN becomes None, so the
+    dict is JSON-serialisable.
     """
     labels = ["unlabelled" if d == "" else d for d in records.domain]
     cond, cum = predict(records, survival_map, workload_maps)
