@@ -63,12 +63,12 @@ class CostModel:
     #: measurements after which a step kind or cell counts as stale and follows the level above it
     stale_after: int = 32
     #: online correction, in log(measured / table): a machine-wide level; per step kind (drafted / plain)
-    #: its mean, the level and the measurement count when it was last measured, and its own count; per cell
-    #: its mean, its kind's correction and the count then
+    #: and per cell its mean, the level and the measurement count when it was last measured, and how many
+    #: measurements it has had (a cell: since it was new or last went stale)
     _level: float = field(default=0.0, repr=False)
     _count: int = field(default=0, repr=False)
     _kinds: dict[str, tuple[float, float, int, int]] = field(default_factory=dict, repr=False)
-    _cells: dict[tuple, tuple[float, float, int]] = field(default_factory=dict, repr=False)
+    _cells: dict[tuple, tuple[float, float, int, int]] = field(default_factory=dict, repr=False)
     #: seconds every step pays outside its round (prefill chunk, bookkeeping, the wait before the next step),
     #: learned online (`observe_overhead`) as a + c·B + b·T; its fixed part a + c·B is added to drafted and plain
     #: costs alike (the per-token part b·T cannot change a decision, see `dspark.step_overhead`)
@@ -180,27 +180,37 @@ class CostModel:
         return mean if self._count - count <= self.stale_after else mean + (self._level - level_then)
 
     def _cell_log(self, key: tuple | None, kind: str) -> float:
-        now = self._kind_log(kind)
-        if key is None or key not in self._cells:
-            return now
-        mean, kind_then, count = self._cells[key]
-        return mean if self._count - count <= self.stale_after else mean + (now - kind_then)
+        """The log correction of a cell: its own while fresh; a stale one moved with its parent (a drafted
+        cell's batch row, a row's or plain cell's machine-wide level) since; a new one its parent's (a row
+        never measured: its kind's)."""
+        if key is None:
+            return self._kind_log(kind)
+        parent = key[:2] if len(key) == 3 else None
+        if key not in self._cells:
+            return self._cell_log(parent, kind) if parent is not None else self._kind_log(kind)
+        mean, parent_then, count, _ = self._cells[key]
+        if self._count - count <= self.stale_after:
+            return mean
+        return mean + ((self._cell_log(parent, kind) if parent is not None else self._level) - parent_then)
 
     # -- online correction ----------------------------------------------------------------------------
     def observe(self, batch: int, tokens: int, seconds: float, drafted: bool) -> None:
         """Fold a measured step time into the model.
 
-        Exponentially forgetting means of log(measured / table): one per step kind (drafted, plain), one per
-        cell, and a machine-wide level. The level follows the first kind measured, then the drift that a kind
-        measured for a while sees; the other kind's first 1 / alpha measurements learn its own offset from the
-        level (a running mean), not drift. A kind not measured yet follows the level; a kind or cell not
-        measured in the last `stale_after` steps moves with the level above it since its last measurement: a
-        kind with the level, a cell with its kind. So a machine that slows down (other load) moves drafted and
-        plain costs alike even while only one kind of step runs, a kind keeps its own offset from the other
-        while it is not measured (serving can inflate drafted rounds more than plain ones), and kinds and cells
-        measured all along keep their own means, so a change that hits drafting alone moves drafted costs alone.
-        A ratio is clamped to [1/20, 20] so one stall cannot swing the model; after a lasting change the
-        correction is within 5% of it after about ten steps.
+        Exponentially forgetting means of log(measured / table), in a hierarchy: per cell (a drafted step of
+        one batch row and profiled N, or a batch row's plain step), per batch row of drafted steps, per step
+        kind (drafted, plain: the prior of a row not measured yet) and a machine-wide level. The level is
+        what a row measured all along sees change: the drift of a machine that slows down (other load). The
+        first kind measured moves it too while no other kind has been, so a kind not measured yet follows its
+        measurements. An entry not measured in the last `stale_after` steps moves with its parent from its
+        last measurement on (a cell with its row, a row or plain cell with the level), so a slowdown seen by
+        one kind of step (while only drafted steps run, or only plain ones) moves the other too, while every
+        row keeps its own offset from the table: serving inflates drafted rounds more than plain ones, and by
+        how much depends on the load. A row's offset is not drift: a new load's first steps, or a row
+        measured again after a pause, learn the row (a running mean over its first 1 / alpha measurements,
+        from its prior) without moving the level, so costs learned at 64 requests do not leak into those of
+        4 requests. A ratio is clamped to [1/20, 20] so one stall cannot swing the model; after a lasting
+        change the correction is within 5% of it after about ten steps.
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
@@ -213,19 +223,37 @@ class CostModel:
             key, table = ("p", b), self.plain[b] * factor
         log_ratio = math.log(min(20.0, max(0.05, seconds / table)))
         kind, a = key[0], self.alpha
-        cell, kind_now = self._cell_log(key, kind), self._kind_log(kind)
+        kind_now = self._kind_log(kind)
         seen = self._kinds[kind][3] if kind in self._kinds else 0
         first_kind = all(k == kind for k in self._kinds)
+        chain = [key[:2], key] if len(key) == 3 else [key]  # the row first: a cell's parent
+        before = {k: (self._cell_log(k, kind), self._runs(k)) for k in chain}
         self._count += 1
-        if first_kind or seen >= 1 / a:  # what a kind measured for a while sees is the machine's drift
+        row_now, row_runs = before[chain[0]]
+        if first_kind:  # nothing else measured yet: what this kind sees stands for the machine
             self._level += a * (log_ratio - kind_now)
+        elif row_runs >= 1 / a:  # a row measured all along that changes: the machine's drift
+            self._level += a * (log_ratio - row_now)
+        if first_kind or seen >= 1 / a:
             kind_new = kind_now + a * (log_ratio - kind_now)
-        else:  # another kind's first measurements (a running mean) learn its own offset, not drift
+        else:  # another kind's first measurements (a running mean) learn its own offset
             kind_new = kind_now + (log_ratio - kind_now) / (seen + 1)
         self._kinds[kind] = (kind_new, self._level, self._count, seen + 1)
-        if seen == 0 and not first_kind:  # the other kind's first cell starts at its first measurement
-            cell = kind_new
-        self._cells[key] = (cell + a * (log_ratio - cell), kind_new, self._count)
+        parent_new = self._level
+        for k in chain:
+            now, runs = before[k]
+            if seen == 0 and not first_kind:  # the other kind's first entries start at its first measurement
+                new = kind_new
+            else:  # a running mean from the prior over a new (or stale) entry's first measurements, then
+                # forgetting; the first kind's entries (no prior but the table) forget from the start
+                new = now + (a if first_kind else max(a, 1 / (runs + 2))) * (log_ratio - now)
+            self._cells[k] = (new, parent_new, self._count, runs + 1)
+            parent_new = new
+
+    def _runs(self, key: tuple) -> int:
+        """Measurements of an entry since it was new or last went stale."""
+        entry = self._cells.get(key)
+        return entry[3] if entry is not None and self._count - entry[2] <= self.stale_after else 0
 
     def measured_recently(self, drafted: bool) -> bool:
         """Whether steps of that kind (drafted or plain) were measured within the last `stale_after` steps."""

@@ -292,6 +292,68 @@ def test_plain_probes_catch_a_server_that_inflates_drafted_rounds_more_than_plai
     assert adaptive >= 0.98 * fixed and share > 0.9 and probes <= 400 / 30
 
 
+def phased_world(spec: str, phases: list[tuple[int, int, float, float, float]], slow_from: int | None = None):
+    """An injected clock over loads that change: each phase (rows, steps, survival ratio s, drafted_ratio,
+    plain_ratio) runs `rows` requests with survivals s^k on a served machine whose drafted and plain rounds
+    take those multiples of the profile; from step `slow_from` on (counted over all phases) the whole machine
+    is 2x slower. Returns per phase (expected committed tokens per second, share of drafted steps), the
+    scheduler and the cost model."""
+    shape = dict(gamma=7, batches=(4, 64), draft_share=1.0, per_token=0.01, layout="padded")
+    table, cost = uniform_cost_model(**shape), uniform_cost_model(**shape)
+    s, out, step = Scheduler(spec, gamma=7), [], 0
+    for rows, steps, surv, drafted_ratio, plain_ratio in phases:
+        a = np.full((rows, 7), surv).cumprod(1)
+        tokens = seconds = drafted = 0.0
+        for _ in range(steps):
+            slow = 2.0 if slow_from is not None and step >= slow_from else 1.0
+            if s.wants_drafts(rows):
+                lengths = np.array(s.plan(a, [7] * rows, cost).lengths)
+                n = step_tokens(lengths, "padded")
+                took = table.cost(rows, n) * drafted_ratio * slow
+                cost.observe(rows, n, took, drafted=True)
+                tokens += rows + sum(a[r, :k].sum() for r, k in enumerate(lengths))
+                drafted += 1
+            else:
+                took = table.plain_cost(rows) * plain_ratio * slow
+                cost.observe(rows, rows, took, drafted=False)
+                tokens += rows
+            seconds += took
+            step += 1
+        out.append((tokens / seconds, drafted / steps))
+    return out, s, cost
+
+
+def test_costs_learned_at_high_load_do_not_leak_into_a_lower_load():
+    """A load sweep's server: 4 clients (drafting pays 1.4x), then 64 (served drafted rounds 3.5x the profile,
+    plain ones 1.7x: drafting does not pay), then 4 clients again. Measured in a sweep here: after the 64-client
+    cells the policy hardly drafted at 4 clients (τ 1.09, 0.71x of fixed K = 7), while on a fresh server it
+    drafted. The drafted inflation learned at 64 rows carried to the stale 4-row cells through their step kind,
+    so the probe gate predicted no gain there and never measured; the costs of a row now move only with the
+    machine-wide drift measured since it was last seen."""
+    phases = [(4, 300, 0.7, 2.0, 2.0), (64, 400, 0.75, 3.5, 1.7), (4, 300, 0.7, 2.0, 2.0)]
+    plain, _, _ = phased_world("none", phases)
+    fixed, _, _ = phased_world("fixed:7", phases)
+    adaptive, _, _ = phased_world("dspark", phases)
+    assert fixed[0][0] > 1.3 * plain[0][0] and fixed[1][0] < 0.5 * plain[1][0]  # the world is as described
+    for phase in (0, 2):
+        assert adaptive[phase][0] >= 0.97 * fixed[phase][0] and adaptive[phase][1] > 0.9
+    assert adaptive[1][0] >= 0.95 * plain[1][0] and adaptive[1][1] < 0.05
+
+
+def test_a_slowdown_seen_at_one_load_moves_the_costs_of_another():
+    """The same sweep, with the whole machine becoming 2x slower halfway through the 64-client phase: the 4-row
+    costs, not measured since, follow the drift the 64-row steps measured (both kinds), and drafting goes on
+    when the load drops (it still pays 1.4x)."""
+    phases = [(4, 300, 0.7, 2.0, 2.0), (64, 400, 0.75, 3.5, 1.7)]
+    _, _, steady = phased_world("dspark", phases)
+    _, _, slowed = phased_world("dspark", phases, slow_from=500)
+    assert slowed.plain_cost(4) == pytest.approx(2 * steady.plain_cost(4), rel=0.1)
+    assert slowed.cost(4, 32) == pytest.approx(2 * steady.cost(4, 32), rel=0.1)
+    out, _, _ = phased_world("dspark", phases + [(4, 300, 0.7, 2.0, 2.0)], slow_from=500)
+    fixed, _, _ = phased_world("fixed:7", phases + [(4, 300, 0.7, 2.0, 2.0)], slow_from=500)
+    assert out[2][0] >= 0.97 * fixed[2][0] and out[2][1] > 0.9
+
+
 def test_a_kind_keeps_its_own_offset_while_only_the_other_kind_runs():
     """Drafted rounds measured at 2.3x the table and plain ones at 1.7x; then only plain steps run (the policy
     stopped drafting). The drafted cost must stay at 2.3x: following a level made of whatever ran last would
