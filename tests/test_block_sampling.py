@@ -151,3 +151,23 @@ def test_markov_table_fills_at_once_past_an_eighth(bundled_target):
     drafter._markov_rows_for(many)
     assert bool(drafter._markov_table_filled.all())
     torch.testing.assert_close(drafter._markov_rows_for(None), w1 @ w2t)
+
+
+def test_prepare_computes_the_whole_markov_table_before_drafting(bundled_target):
+    """`prepare` (what `dspark serve` calls before taking requests) fills every row of the table, so no
+    drafting call pays for the fill; drafts and q stay those of the rank-r product."""
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    product = dspark.load_drafter("dspark", bundled_target)
+    product.markov_table = False
+    drafter.prepare()
+    assert bool(drafter._markov_table_filled.all())
+    w1, w2t = drafter._markov_weights()
+    torch.testing.assert_close(drafter._markov_rows_for(None), w1 @ w2t)
+    product.prepare()  # no table kept: nothing to build
+    assert not hasattr(product, "_markov_table_cache")
+    ids = encode_prompt(bundled_target, "Write a poem about the sea.")
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
+    a_tokens, a_q = draw(drafter, bundled_target, ids, params, rows=16, seed=3)
+    b_tokens, b_q = draw(product, bundled_target, ids, params, rows=16, seed=3)
+    assert (a_tokens == b_tokens).all()
+    torch.testing.assert_close(a_q, b_q, atol=1e-5, rtol=0)

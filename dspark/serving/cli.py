@@ -87,6 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.drafter, target)
     gamma = drafter_gamma(drafter)
     scheduler = Scheduler(args.scheduler, gamma)
+    if not scheduler.never_drafts:
+        drafter.prepare()  # caches built lazily would stall one serving step for every stream
     cost = step_cost_model(target, drafter, args.max_running, args.profile) if scheduler.needs_cost else None
     calibrator = None
     if not args.no_online_calibration and getattr(drafter, "calibration", None) is not None and gamma > 0:
