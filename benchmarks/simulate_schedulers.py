@@ -11,7 +11,9 @@
    8B-on-H100 curve) and, with --uniform or when nothing else is available, a synthetic uniform curve.
 3. Per cost model, writes into --out: the threshold sweep per domain (τ, verified drafts per step and
    tokens/s against θ, the paper's Fig. 5) and throughput against concurrency for every scheduler, as
-   JSON, PNG and a text table, and prints the tables.
+   JSON, PNG and a text table, and prints the tables; with the recorded outcome as survival (--oracle,
+   an anticipating upper bound) it replays a few schedulers again, to show what sharper survival estimates
+   could still win.
 
 The survival map is the drafter's calibration when `load_drafter` finds one, else the uncalibrated
 default. Simulation assumptions are in `dspark.evaluation.simulate.simulate`'s docstring.
@@ -28,6 +30,7 @@ from dspark.api import encode_prompt, load_drafter, load_target
 from dspark.evaluation.bench import load_eval_prompts
 from dspark.evaluation.simulate import (
     DEFAULT_CONCURRENCIES,
+    OutcomeOracle,
     Trace,
     concurrency_sweep,
     format_concurrency_table,
@@ -67,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--theta-concurrency", type=int, default=16, help="concurrency of the threshold sweep")
     p.add_argument("--steps", type=int, default=None,
                    help="steps per simulation (default: until 2·max(requests, concurrency) requests finish)")
+    p.add_argument("--oracle", default="none,fixed:7,dspark,dspark-async",
+                   help="schedulers also replayed with the recorded outcome as survival (an anticipating upper "
+                        "bound, not a policy); empty: none")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -142,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         theta_rows = threshold_sweep(traces, cost, calibration, thresholds, args.theta_concurrency, args.steps,
                                      args.seed)
         conc_rows = concurrency_sweep(traces, schedulers, cost, calibration, concurrencies, args.steps, args.seed)
+        oracle = [x for x in args.oracle.split(",") if x]
+        oracle_rows = concurrency_sweep(traces, oracle, cost, OutcomeOracle(), concurrencies, args.steps,
+                                        args.seed) if oracle else []
         seconds = time.perf_counter() - sim_start
         stem = args.out / f"sim_{tag}_{name}"
         title = f"{args.drafter}, T={args.temperature:g}, cost: {name} ({cost.layout})"
@@ -151,13 +160,17 @@ def main(argv: list[str] | None = None) -> None:
                 f"\n## aggregate tokens/s (speedup over none) by concurrency\n{table}\n"
                 f"\n## median per-user tokens/s\n{format_concurrency_table(conc_rows, 'per_user_median')}\n"
                 f"\n## threshold sweep at concurrency {args.theta_concurrency}\n{theta_table}\n")
+        if oracle_rows:
+            text += ("\n## upper bound: survival = the recorded outcome (1 for the drafts the full block had "
+                     "accepted, 0 after; anticipating, not a policy)\n"
+                     f"{format_concurrency_table(oracle_rows)}\n")
         Path(f"{stem}.txt").write_text(text)
         Path(f"{stem}.json").write_text(json.dumps({
             "drafter": args.drafter, "temperature": args.temperature, "cost_model": name, "layout": cost.layout,
             "prompts_per_domain": args.prompts, "max_new_tokens": args.max_new_tokens,
             "calibrated": calibration is not None, "theta_concurrency": args.theta_concurrency,
             "traces": [{"domain": t.domain, "requests": len(t), "tau_full_block": t.tau} for t in traces],
-            "threshold_sweep": theta_rows, "concurrency_sweep": conc_rows}, indent=1))
+            "threshold_sweep": theta_rows, "concurrency_sweep": conc_rows, "oracle_sweep": oracle_rows}, indent=1))
         plot_threshold_sweep(theta_rows, f"{stem}_threshold.png", title)
         plot_concurrency_sweep(conc_rows, f"{stem}_concurrency.png", title)
         print(f"\n{text}\n(simulated in {seconds:.1f}s; wrote {stem}.json/.txt/_threshold.png/_concurrency.png)")

@@ -392,7 +392,31 @@ def _plateau_room(lim: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, cost
     return room_at_width[tokens // num - 1]
 
 
-def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: np.ndarray, cost: CostModel) -> int:
+def _best_continuation(tau_before: float, v: float, admitted: int, width: int, lim: np.ndarray, cost: CostModel,
+                       max_tokens: int | None) -> float:
+    """Upper bound on Θ of any step that admits the next candidate (survival v) after `admitted` others, and
+    maybe more: every later candidate survives at most v, and the limits (not later candidates) say how
+    many there can be. Ragged: every added draft is a token; padded: a step of width w holds
+    Σ min(limit, w) drafts for w ≥ `width` (the width with the candidate). Reads v, the limits and the costs."""
+    num = len(lim)
+    if cost.layout == "ragged":
+        extra = np.arange(1, int(lim.sum()) - admitted + 1)
+        tokens = num + admitted + extra
+    else:
+        widths = np.arange(max(width, 1), int(lim.max(initial=0)) + 1)
+        extra = np.minimum(lim[None, :], widths[:, None]).sum(1) - admitted
+        tokens = num * (1 + widths)
+    keep = extra >= 1
+    if max_tokens is not None:
+        keep &= tokens <= max(max_tokens, num)
+    if not keep.any():
+        return -math.inf
+    extra, tokens = extra[keep], tokens[keep]
+    return float(np.max((tau_before + extra * v) / cost.cost_many(num, tokens)))
+
+
+def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: np.ndarray, cost: CostModel,
+                pos: np.ndarray | None = None, max_tokens: int | None = None) -> int:
     """How many candidates of the path Algorithm 1 admits (see prefix_schedule)."""
     num = len(lim)
     tau = num + np.concatenate([[0.0], np.cumsum(vals)])
@@ -403,8 +427,18 @@ def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: 
     crossing = seconds[1:] != seconds[:-1]
     room = _plateau_room(lim, tokens[1:], seconds[1:], cost) - np.arange(len(vals))  # slots left from j on
     upper = (tau[:-1] + np.maximum(room, 1) * vals) / seconds[1:]  # later candidates survive at most vals[j]
-    falls = np.nonzero(crossing & (upper <= best_before))[0]
-    return int(falls[0]) if len(falls) else len(vals)
+    widths = np.maximum.accumulate(pos) if pos is not None and len(pos) else None
+    for j in np.nonzero(crossing & (upper <= best_before))[0]:
+        # filling the cell candidate j opens cannot beat Θ_best. Where that cell holds one draft (a smooth
+        # curve) this is the paper's stop; a cell of several (a stepped curve) is opened anyway when a
+        # costlier cell further on, filled at survival vals[j], could beat Θ_best (a one-off jump, such as
+        # leaving the CUDA graphs, followed by cheap tokens)
+        if room[j] <= 1:
+            return int(j)
+        width = int(widths[j]) if widths is not None else 0
+        if _best_continuation(tau[j], vals[j], int(j), width, lim, cost, max_tokens) <= best_before[j]:
+            return int(j)
+    return len(vals)
 
 
 def prefix_schedule(survival, limits: Sequence[int], cost: CostModel,
@@ -414,16 +448,18 @@ def prefix_schedule(survival, limits: Sequence[int], cost: CostModel,
 
     On a smooth curve this is the paper's rule (stop at the first Θ ≤ Θ_best). On a stepped curve (CUDA-graph
     sizes, or dspark's padded batch where a wider row costs a whole column) a candidate that opens a
-    costlier cell is admitted when filling that cell could beat Θ_best, bounding every later candidate's
-    survival by its own (the order is decreasing), and candidates inside an already-paid cell are free.
-    Either way the cut at candidate j reads candidates 1..j only and the limits, never a later one: every
+    costlier cell is admitted when filling that cell, or any costlier cell after it, could beat Θ_best,
+    bounding every later candidate's survival by its own (the order is decreasing) and their number by the
+    limits; candidates inside an already-paid cell are free. The look-ahead past the opened cell pays where
+    a one-off jump (leaving the CUDA graphs) is followed by cheap tokens, and costs Θ where the later
+    survivals fall short of the bound. Either way the cut at candidate j reads candidates 1..j only and the limits, never a later one: every
     request's admitted set is a prefix decided before its next draft is looked at (lossless). Returns the
     per-request lengths and the expected Θ (tokens per second) of the chosen step.
     """
     lim = _as_numpy(limits, np.int64)
     num = len(lim)
-    rows, _, vals, tokens, seconds = _path(survival, lim, cost, token_budget)
-    count = _prefix_cut(vals, tokens, seconds, lim, cost)
+    rows, pos, vals, tokens, seconds = _path(survival, lim, cost, token_budget)
+    count = _prefix_cut(vals, tokens, seconds, lim, cost, pos, token_budget)
     tau = num + vals[:count].sum()
     return _lengths_from(rows, count, num), float(tau / seconds[count])
 

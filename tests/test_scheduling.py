@@ -552,3 +552,19 @@ def test_step_overhead_makes_longer_steps_pay():
     cost.overhead = StepOverhead(intercept=3.0)
     lengths, theta = prefix_schedule(survival, [3], cost)
     assert lengths.tolist() == [2] and theta == pytest.approx(1.75 / 5.1)
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+def test_dspark_looks_past_a_one_off_jump_to_a_cheap_cell(layout):
+    """Two requests; leaving the first cell (N ≤ 4) costs a jump to 1.6 for N = 5..6, after which N = 7..16
+    cost 1.62. Filling the N = 5..6 cell alone cannot beat Θ0 (the one-cell rule stopped at 1 draft each), but
+    the next cell can: Algorithm 1's look-ahead admits every draft, the global optimum here."""
+    cost = CostModel({2: [(2, 1.0), (4, 1.0), (6, 1.6), (16, 1.62)]}, {2: 1.0}, layout)
+    a = np.cumprod(np.full((2, 7), 0.93), 1)
+    lengths, theta = prefix_schedule(a, [7, 7], cost)
+    assert lengths.tolist() == [7, 7]
+    assert theta == pytest.approx(brute_force_best(a, [7, 7], cost))
+    assert theta == pytest.approx((2 + a.sum()) / 1.62)
+    # the look-ahead bounds later survivals by the current one: when they fall fast, it stops at the cliff
+    steep = np.array([[0.93, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0], [0.93, 0.04, 0.01, 0.0, 0.0, 0.0, 0.0]])
+    assert prefix_schedule(steep, [7, 7], cost)[0].tolist() == [1, 1]

@@ -9,6 +9,7 @@ import pytest
 
 from dspark.calibration.maps import ConstantMap, HeadTemperatureMap
 from dspark.evaluation.simulate import (
+    OutcomeOracle,
     Trace,
     TraceRequest,
     concurrency_sweep,
@@ -245,3 +246,22 @@ def test_sweeps_and_plots(tmp_path):
     assert "dspark" in format_concurrency_table(table)
     for f in (plot_threshold_sweep(rows, tmp_path / "th.png"), plot_concurrency_sweep(table, tmp_path / "c.png")):
         assert f.stat().st_size > 1000
+
+
+def test_outcome_oracle_reads_the_recorded_outcome_and_bounds_the_estimate():
+    """The oracle's survival is 1 for each round's accepted drafts and 0 after; fixed policies, which read no
+    survival, replay identically under it, and dspark with it verifies no draft that fails and at high load
+    beats dspark on the (calibrated) estimate."""
+    from dspark.evaluation.simulate import _Pool
+
+    trace = synthetic_trace()
+    pool = _Pool([trace], OutcomeOracle())
+    expected = (np.arange(GAMMA)[None, :] < pool.accepted[:, None]).astype(float)
+    np.testing.assert_array_equal(pool.survival, expected)
+    cost = gpu_cost_model(GPU)
+    fixed = [simulate(trace, "fixed:3", cost, m, 64, steps=150).tokens_per_s for m in (exact_map(), OutcomeOracle())]
+    assert fixed[0] == fixed[1]
+    oracle = simulate(trace, "dspark", cost, OutcomeOracle(), 256, steps=150)
+    estimate = simulate(trace, "dspark", cost, exact_map(), 256, steps=150)
+    assert oracle.wasted_per_step == 0.0 and oracle.verified_per_step > 0
+    assert oracle.tokens_per_s > estimate.tokens_per_s

@@ -278,6 +278,14 @@ class SimResult:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
 
 
+class OutcomeOracle:
+    """A survival "map" for the simulator only: 1 for the drafts a round's full block had accepted, 0 after.
+
+    It reads the outcome, so it anticipates by construction: no scheduler may use it. Replayed under a
+    scheduler it bounds what any survival estimate could give that scheduler (the distance from the
+    calibrated estimate's figure is what sharper confidences could still win)."""
+
+
 class _Pool:
     """All requests of a list of traces flattened for vectorised replay, with each round's survival."""
 
@@ -293,6 +301,9 @@ class _Pool:
         self.tokens = np.array([r.tokens for _, r in reqs], dtype=np.int64)
         self.available = np.concatenate([r.available for _, r in reqs])
         self.accepted = np.concatenate([r.accepted for _, r in reqs])
+        if isinstance(survival_map, OutcomeOracle):
+            self.survival = (np.arange(self.gamma)[None, :] < self.accepted[:, None]).astype(np.float64)
+            return
         parts = []
         for t in traces:
             sig = np.concatenate([r.signals for r in t.requests])
