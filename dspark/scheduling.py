@@ -416,7 +416,7 @@ def _best_continuation(tau_before: float, v: float, admitted: int, width: int, l
 
 
 def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: np.ndarray, cost: CostModel,
-                pos: np.ndarray | None = None, max_tokens: int | None = None) -> int:
+                pos: np.ndarray, max_tokens: int | None) -> int:
     """How many candidates of the path Algorithm 1 admits (see prefix_schedule)."""
     num = len(lim)
     tau = num + np.concatenate([[0.0], np.cumsum(vals)])
@@ -427,7 +427,7 @@ def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: 
     crossing = seconds[1:] != seconds[:-1]
     room = _plateau_room(lim, tokens[1:], seconds[1:], cost) - np.arange(len(vals))  # slots left from j on
     upper = (tau[:-1] + np.maximum(room, 1) * vals) / seconds[1:]  # later candidates survive at most vals[j]
-    widths = np.maximum.accumulate(pos) if pos is not None and len(pos) else None
+    widths = np.maximum.accumulate(pos)  # the padded width with candidates 1..j
     for j in np.nonzero(crossing & (upper <= best_before))[0]:
         # filling the cell candidate j opens cannot beat Θ_best. Where that cell holds one draft (a smooth
         # curve) this is the paper's stop; a cell of several (a stepped curve) is opened anyway when a
@@ -435,8 +435,7 @@ def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: 
         # leaving the CUDA graphs, followed by cheap tokens)
         if room[j] <= 1:
             return int(j)
-        width = int(widths[j]) if widths is not None else 0
-        if _best_continuation(tau[j], vals[j], int(j), width, lim, cost, max_tokens) <= best_before[j]:
+        if _best_continuation(tau[j], vals[j], int(j), int(widths[j]), lim, cost, max_tokens) <= best_before[j]:
             return int(j)
     return len(vals)
 

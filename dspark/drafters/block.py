@@ -189,7 +189,7 @@ class BlockDrafter(Drafter):
         """
         head = self.model.markov_head
         gamma, num_rows = base.shape[0], base.shape[1]
-        fused = type(head) is MarkovHead and head.gate_proj is None
+        fused = self._vanilla_markov
         if fused and self.bias_candidates is not None:
             return self._sample_candidates(base, prev, sampling, noise, self.bias_candidates)
         use_table = fused and self.markov_table
@@ -265,9 +265,14 @@ class BlockDrafter(Drafter):
         """Compute the whole Markov bias table now (when it is kept; see `markov_table`): filled lazily, it
         is computed at once when 1/MARKOV_TABLE_FILL_FRACTION of its rows are, inside some drafting call
         (0.4–1.1 s on a 2-core CPU for V = 8192), which stalls that step for every request in the batch."""
-        head = self.model.markov_head
-        if self.markov_table and type(head) is MarkovHead and head.gate_proj is None and self.bias_candidates is None:
+        if self.markov_table and self._vanilla_markov and self.bias_candidates is None:
             self._markov_rows_for(None, fill=True)
+
+    @property
+    def _vanilla_markov(self) -> bool:
+        """Whether the sequential head is the plain low-rank Markov bias W1[x]·W2ᵀ (no gate, no RNN)."""
+        head = self.model.markov_head
+        return type(head) is MarkovHead and head.gate_proj is None
 
     def _markov_rows_for(self, prev: torch.Tensor | None, fill: bool = False) -> torch.Tensor | None:
         """The Markov bias rows W1[x]·W2ᵀ [R, V] of the tokens `prev`, from the row cache (filled on a miss).
@@ -281,6 +286,12 @@ class BlockDrafter(Drafter):
             self._markov_table_src = w2t
             self._markov_table_full = False
         table, filled = self._markov_table_cache, self._markov_table_filled
+        if prev is not None and not self._markov_table_full and not bool(filled[prev].all()):
+            missing = prev[~filled[prev]].unique()
+            table[missing] = w1[missing] @ w2t
+            filled[missing] = True
+            # past 1/32 of the rows, filling the rest in one product costs less than row by row
+            fill = fill or int(filled.sum()) * MARKOV_TABLE_FILL_FRACTION >= filled.numel()
         if fill and not self._markov_table_full:
             rest = (~filled).nonzero().squeeze(1)
             table[rest] = w1[rest] @ w2t
@@ -288,16 +299,6 @@ class BlockDrafter(Drafter):
             self._markov_table_full = True
         if prev is None:
             return table if self._markov_table_full else None
-        if not self._markov_table_full and not bool(filled[prev].all()):
-            missing = prev[~filled[prev]].unique()
-            table[missing] = w1[missing] @ w2t
-            filled[missing] = True
-            if int(filled.sum()) * MARKOV_TABLE_FILL_FRACTION >= filled.numel():
-                # past 1/32 of the rows, filling the rest in one product costs less than row by row
-                rest = (~filled).nonzero().squeeze(1)
-                table[rest] = w1[rest] @ w2t
-                filled[rest] = True
-                self._markov_table_full = True
         return table[prev]
 
     def _markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
