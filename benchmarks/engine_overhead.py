@@ -25,10 +25,11 @@ from dspark.drafters.base import drafter_gamma
 
 
 def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, warmup: int, steps: int, max_tokens: int,
-                temperature: float, stagger: bool) -> list[StepInfo]:
+                temperature: float, stagger: bool, watch=None) -> list[StepInfo]:
     """Keep `concurrency` requests running in `engine` (a finished one is replaced at once by the next prompt)
     and return the StepInfo of `steps` steps after the first `warmup`. stagger: the first requests ask for
-    1..max_tokens tokens, so later arrivals spread over the steps."""
+    1..max_tokens tokens, so later arrivals spread over the steps. watch(engine): called after each step that
+    ran a round."""
     infos: list[StepInfo] = []
     engine.on_step = infos.append
     issued = 0
@@ -45,9 +46,12 @@ def closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, warm
     for _ in range(concurrency):
         issue()
     while len(infos) < warmup + steps:
+        before = len(infos)
         for out in engine.step():
             if out.finished:
                 issue()
+        if watch is not None and len(infos) > before:
+            watch(engine)
     return infos[warmup:]
 
 

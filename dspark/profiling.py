@@ -112,7 +112,7 @@ def _module_shapes(module: torch.nn.Module) -> list:
     return [[name, list(p.shape), str(p.dtype)] for name, p in module.named_parameters()]
 
 
-_NOT_SETUP = {"calibration"}  # attached survival estimates do not change what a step costs
+_NOT_SETUP = {"calibration", "report_peaks"}  # survival estimates and the engine's peaks switch are not the setup
 
 
 def _drafter_description(drafter: Drafter) -> dict:

@@ -580,16 +580,39 @@ class Scheduler:
         """Whether the policy verifies no drafts at any step (`none`, `fixed:0`)."""
         return self.kind == "none" or (self.kind == "fixed" and self.param == 0)
 
-    def wants_drafts(self, num_rows: int) -> bool:
-        """Whether the coming step should call the drafter at all."""
-        if self.never_drafts:
-            return False
+    @property
+    def dormant(self) -> bool:
+        """Whether an adaptive policy is far into a back-off: more than `max_backoff // 4` steps without
+        drafting lie ahead, so the decoding loop may let the drafter drop its per-request upkeep (its context
+        of target features) and rebuild it for the requests that join before the next probe."""
+        return self.adaptive and self._skip > self.max_backoff // 4
+
+    def rejudge(self, num_rows: int) -> None:
+        """End a back-off decided at a batch size over 2x away from `num_rows` (called by `wants_drafts` and
+        `idle_step`; a loop whose drafter sleeps calls it at the start of a step, before admitting requests)."""
         if self._skip > 0 and not self._backoff_rows / 2 <= num_rows <= 2 * self._backoff_rows:
             # the back-off was decided at another load (over 2x apart, so that a batch hovering at its client
             # count does not reset it): drafting's worth changes with the batch size, so this batch is judged
             # afresh (a probe, unless the typical survivals predict no gain here either)
             self._skip, self._backoff, self._probing, self._since_probe = 0, 4, True, 0
             self._backoff_rows = num_rows
+
+    def idle_step(self, num_rows: int) -> None:
+        """A step the decoding loop runs without drafting whatever the policy says (no row can draft, e.g.
+        while the drafter sleeps): a back-off counts down, and ends when the batch size moves over 2x, but no
+        probe is started."""
+        if self.never_drafts:
+            return
+        self.rejudge(num_rows)
+        if self._skip > 0:
+            self._skip -= 1
+            self.skipped_steps += 1
+
+    def wants_drafts(self, num_rows: int) -> bool:
+        """Whether the coming step should call the drafter at all."""
+        if self.never_drafts:
+            return False
+        self.rejudge(num_rows)
         if self._skip > 0:
             self._skip -= 1
             self.skipped_steps += 1

@@ -213,3 +213,17 @@ def test_attached_calibration_does_not_change_the_fingerprint(qwen3_target):
     calibrated.calibration = Calibration({0.0: ConstantMap([0.5] * 3)})
     assert fingerprint_for(qwen3_target, plain, "ngram") == fingerprint_for(qwen3_target, calibrated, "ngram")
     assert fingerprint_for(qwen3_target, NgramDrafter(gamma=2), "ngram") != fingerprint_for(qwen3_target, plain, "ngram")
+
+
+def test_an_engine_that_ran_does_not_change_the_drafters_fingerprint(qwen3_target):
+    """The engine switches the drafter's peak reporting per run (`report_peaks`): a runtime flag, not the setup,
+    so a profile measured before an engine ran still matches after (a second engine in one process found it
+    mismatched)."""
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.engine import Engine, EngineConfig
+    from dspark.profiling import fingerprint_for
+
+    drafter = NgramDrafter(gamma=3)
+    before = fingerprint_for(qwen3_target, drafter, "ngram")
+    Engine(qwen3_target, drafter, "fixed", config=EngineConfig(record_signals=True))
+    assert "report_peaks" in vars(drafter) and fingerprint_for(qwen3_target, drafter, "ngram") == before

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark.calibration.job import fit_and_score
-from dspark.calibration.maps import Calibration, ConstantMap, HeadTemperatureMap
+from dspark.calibration.maps import Calibration, ConstantMap, HeadTemperatureMap, fill_unavailable
 from dspark.calibration.metrics import calibration_report, ece_noise_floor, format_report_table
 from dspark.calibration.online import OnlineCalibrator
 from dspark.calibration.records import RoundRecords
@@ -103,6 +103,24 @@ def test_per_domain_fit_calibrates_domains_one_temperature_cannot() -> None:
     assert single.workload_maps == {} and single.after_workload is None  # one domain: nothing to split
 
 
+def test_the_report_scores_the_fit_with_the_halves_swapped_too() -> None:
+    """The swapped direction is the same procedure fitted on the held-out rounds and scored on the fitting
+    rounds: equal to fitting and scoring by hand, and calibrated on this world in both directions."""
+    from dspark.calibration.fit import fit_map
+    from dspark.calibration.job import format_swapped
+
+    fit, held = two_domain_records(seed=0), two_domain_records(seed=1)
+    run = fit_and_score(fit, held, 1.0, label="synthetic", method="sts")
+    maps = {d: fit_map(held.subset([x == d for x in held.domain]), True, "sts") for d in ("code", "math")}
+    by_hand = calibration_report(fit, fit_map(held, True, "sts"), maps)
+    assert run.swapped["rounds"] == len(fit)
+    for domain in ("all", "code", "math"):
+        assert run.swapped["ece"][domain] == pytest.approx(by_hand["headline_ece"][domain])
+        assert run.swapped["ece"][domain] < 3 * by_hand["ece_floor"][domain]
+    text = format_swapped(run)
+    assert "halves swapped" in text and "code:" in text and "mean" in text
+
+
 def test_online_calibrator_uses_a_workloads_offline_map_as_its_prior() -> None:
     pooled, math_map = ConstantMap([0.5, 0.5]), ConstantMap([0.9, 0.9])
     cal = Calibration({1.0: pooled}, workload_maps={"math": {1.0: math_map}})
@@ -180,6 +198,48 @@ def test_binned_map_round_trips_keeps_survival_non_increasing_and_reads_its_base
         BinnedMap(HeadTemperatureMap([1.0]), edges=[[]], values=[[1.0]])
     with pytest.raises(ValueError, match=r"field 'map.base.kind'"):
         map_from_dict({"kind": "binned", "base": {"kind": "nope"}, "edges": [[]], "values": [[0.5]]})
+
+
+def test_monotone_cells_is_the_weighted_projection_onto_both_orders() -> None:
+    """x = monotone_cells(y, w) is feasible (rises along bins, falls along positions) and is the weighted
+    least-squares projection: Σ w (y − x)(z − x) ≤ 0 for every feasible z (the variational inequality that
+    characterises the projection onto a convex set), so no feasible z is closer to y."""
+    from dspark.calibration.fit import monotone_cells
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        y = torch.rand(5, 8, generator=gen, dtype=torch.float64)
+        w = torch.rand(5, 8, generator=gen, dtype=torch.float64) * 50 + 0.1
+        x = monotone_cells(y, w)
+        assert bool((x[:, 1:] >= x[:, :-1]).all()) and bool((x[1:] <= x[:-1]).all())
+        for _ in range(200):
+            z = torch.rand(5, 8, generator=gen, dtype=torch.float64)
+            z = torch.cummin(torch.cummax(z, dim=1).values, dim=0).values  # a random feasible matrix
+            assert float((w * (y - x) * (z - x)).sum()) <= 1e-6
+        assert float((w * (y - x) ** 2).sum()) <= float((w * (y - z) ** 2).sum()) + 1e-9
+    feasible = torch.cummin(torch.cummax(torch.rand(4, 6, generator=gen, dtype=torch.float64), 1).values, 0).values
+    assert torch.allclose(monotone_cells(feasible, torch.ones(4, 6, dtype=torch.float64)), feasible, atol=1e-9)
+
+
+def test_fitted_bins_fall_along_the_block_so_the_cap_changes_nothing() -> None:
+    """Shared edges, cells rising with the bin and falling with the position: each row's bin values already
+    fall along its block (â_k ≤ â_{k−1}), so `BinnedMap`'s cap a_k = min(a_{k−1}, ·) never binds."""
+    from dspark.calibration.fit import fit_binned, fit_sequential_temperature
+
+    fit = uninformative_middle_records(seed=0)
+    binned = fit_binned(fit, fit_sequential_temperature(fit))
+    assert all(e == binned.edges[0] for e in binned.edges) and len(binned.edges[0]) >= 10
+    v = torch.tensor(binned.values, dtype=torch.float64)
+    assert bool((v[:, 1:] >= v[:, :-1]).all()) and bool((v[1:] <= v[:-1]).all())
+    held = uninformative_middle_records(n=3000, seed=5)
+    signals = fill_unavailable(held.signals, held.available)
+    base = torch.cumprod(binned.base.conditional(signals).to(torch.float64), dim=1)
+    edges = torch.tensor(binned.edges[0], dtype=torch.float64)
+    raw = torch.stack([v[k][torch.bucketize(base[:, k].contiguous(), edges, right=True)]
+                       for k in range(base.shape[1])], dim=1)
+    assert torch.allclose(binned.cumulative(signals.to(torch.float64)), raw)  # the cap is a no-op
+    in_sample = calibration_report(fit, binned)
+    assert in_sample["headline_ece"]["all"] < in_sample["ece_floor"]["all"]  # no cap pulling values down
 
 
 def test_binning_calibrates_a_head_no_temperature_can() -> None:

@@ -2,8 +2,9 @@
 
 - Sequential Temperature Scaling (drafters with a confidence head): left to right, T_k minimises the ECE of the
   cumulative survival a_k = Π_{j≤k} sigmoid(logit_j / T_j) with T_1..T_{k−1} already fixed.
-- Histogram binning on top of either (`fit_binned`): per position, equal-mass bins of the base map's cumulative
-  survival, each bin's value the observed survival of its rows (smoothed towards the bin's mean prediction).
+- Monotone histogram binning on top of either (`fit_binned`): equal-mass bins of the base map's cumulative
+  survival shared by all positions, each cell (position, bin) its rows' observed survival (smoothed towards
+  their mean prediction), fitted to rise with the bin and fall with the position so a_k never rises along a block.
 - Logistic maps (drafters without a head): per position, a logistic regression of the conditional label on
   log max_q and the entropy of the drafting distribution (a greedy row's peak), a smoothed prior for the rest.
 - Head-logistic maps (method "joint"): the same regression with the head logit as a third input.
@@ -171,12 +172,53 @@ def fit_head_logistic(records: RoundRecords, l2: float = 1e-3) -> HeadLogisticMa
     return HeadLogisticMap(head, weights)
 
 
-def fit_binned(records: RoundRecords, base: SurvivalMap, bins: int = 10, smoothing: float = 2.0) -> BinnedMap:
-    """Histogram binning of `base`'s cumulative survival, per position on the rows that reached it.
+def _isotonic_1d(y: list[float], w: list[float]) -> list[float]:
+    """Weighted least-squares non-decreasing fit of y (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [value, weight, count]
+    for yi, wi in zip(y, w):
+        blocks.append([yi, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, c2 = blocks.pop()
+            v1, w1, c1 = blocks[-1]
+            total = w1 + w2
+            blocks[-1] = [(v1 * w1 + v2 * w2) / total if total > 0 else (v1 + v2) / 2, total, c1 + c2]
+    return [v for v, _, c in blocks for _ in range(c)]
 
-    Position k's inner edges are the base survival's quantiles (equal-mass bins, ties merged); a bin's value is
-    (Σ labels + smoothing · mean prediction) / (rows + smoothing). A position without rows copies the previous
-    one (a single bin of 0.5 at k = 1).
+
+def monotone_cells(y: torch.Tensor, w: torch.Tensor, iters: int = 2000, tol: float = 1e-9) -> torch.Tensor:
+    """The weighted least-squares fit of y [K, B] that is non-decreasing along B (a position's bins) and
+    non-increasing along K (positions): Dykstra's alternating projections onto the two orders, each a pool
+    adjacent violators pass per row / column, then a cumulative max along B and min along K that makes the
+    result feasible exactly (a change of the order of `tol`)."""
+    y, w = y.to(torch.float64), w.to(torch.float64)
+    x, p, q = y.clone(), torch.zeros_like(y), torch.zeros_like(y)
+    wl = w.tolist()
+    wt = w.T.tolist()
+    for _ in range(iters):
+        z = (x + p).tolist()
+        a = torch.tensor([_isotonic_1d(row, wr) for row, wr in zip(z, wl)], dtype=torch.float64)
+        p = x + p - a
+        z2 = (a + q).T.tolist()  # columns, reversed so that "non-increasing in k" is a non-decreasing fit
+        b = torch.tensor([_isotonic_1d(col[::-1], wc[::-1])[::-1] for col, wc in zip(z2, wt)], dtype=torch.float64).T
+        q = a + q - b
+        done = float((a - b).abs().max()) < tol and float((b - x).abs().max()) < tol
+        x = b.contiguous()
+        if done:
+            break
+    return torch.cummin(torch.cummax(x, dim=1).values, dim=0).values
+
+
+def fit_binned(records: RoundRecords, base: SurvivalMap, bins: int = 20, smoothing: float = 2.0) -> BinnedMap:
+    """Monotone histogram binning of `base`'s cumulative survival â_k.
+
+    The bins are shared by every position: equal-mass quantiles of â over all (round, position) pairs that
+    reached the position (ties merged). A cell (position k, bin b) starts at its rows' observed survival,
+    smoothed towards their mean prediction, (Σ labels + smoothing · mean â) / (rows + smoothing) (an empty
+    cell: the bin's midpoint, weight `smoothing`). The cells are then fitted, weighted by rows + smoothing,
+    to be non-decreasing in b and non-increasing in k (`monotone_cells`). Since â_k ≤ â_{k−1} puts draft k
+    in a bin no higher than draft k−1's, every row's survival then falls along its block by construction:
+    `BinnedMap`'s cap a_k = min(a_{k−1}, ·) changes nothing, so it no longer pulls fitted values below the
+    observed survival (what per-position bins under the cap did; docs/scheduling.md).
     """
     if bins < 1 or smoothing < 0:
         raise ValueError(f"bins must be ≥ 1 and smoothing ≥ 0, got {bins} and {smoothing}")
@@ -184,33 +226,38 @@ def fit_binned(records: RoundRecords, base: SurvivalMap, bins: int = 10, smoothi
         cond = base.conditional(fill_unavailable(records.signals, records.available)).to(torch.float64)
     a = torch.cumprod(cond, dim=1)
     labels, valid = records.cumulative_labels()
-    edges: list[list[float]] = []
-    values: list[list[float]] = []
-    for k in range(records.gamma):
+    gamma = records.gamma
+    reached = a[valid]
+    if reached.numel() and bins > 1:
+        inner = torch.quantile(reached, torch.linspace(0, 1, bins + 1, dtype=torch.float64)[1:-1])
+        edges = sorted({float(x) for x in inner.tolist()} - {0.0, 1.0})
+    else:
+        edges = []
+    e = torch.tensor(edges, dtype=torch.float64)
+    width = len(edges) + 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.float64), e, torch.ones(1, dtype=torch.float64)])
+    midpoint = (bounds[:-1] + bounds[1:]) / 2
+    y = torch.empty(gamma, width, dtype=torch.float64)
+    w = torch.empty(gamma, width, dtype=torch.float64)
+    for k in range(gamma):
         rows = valid[:, k]
-        if not bool(rows.any()):
-            edges.append(list(edges[-1]) if edges else [])
-            values.append(list(values[-1]) if values else [0.5])
-            continue
-        p, y = a[rows, k], labels[rows, k].to(torch.float64)
-        inner = torch.quantile(p, torch.linspace(0, 1, bins + 1, dtype=torch.float64)[1:-1]) if bins > 1 \
-            else torch.zeros(0, dtype=torch.float64)
-        e = sorted({float(x) for x in inner.tolist()})
-        idx = torch.bucketize(p, torch.tensor(e, dtype=torch.float64), right=True)
-        n = torch.bincount(idx, minlength=len(e) + 1).to(torch.float64)
-        sum_y = torch.zeros(len(e) + 1, dtype=torch.float64).index_add_(0, idx, y)
-        sum_p = torch.zeros(len(e) + 1, dtype=torch.float64).index_add_(0, idx, p)
-        mean_p = torch.where(n > 0, sum_p / n.clamp_min(1), torch.full_like(n, float(p.mean())))
-        v = ((sum_y + smoothing * mean_p) / (n + smoothing)).clamp(1e-4, 1 - 1e-4)
-        edges.append(e)
-        values.append(v.tolist())
-    return BinnedMap(base, edges, values)
+        p, lab = a[rows, k], labels[rows, k].to(torch.float64)
+        idx = torch.bucketize(p, e, right=True)
+        n = torch.bincount(idx, minlength=width).to(torch.float64)
+        sum_y = torch.zeros(width, dtype=torch.float64).index_add_(0, idx, lab)
+        sum_p = torch.zeros(width, dtype=torch.float64).index_add_(0, idx, p)
+        mean_p = torch.where(n > 0, sum_p / n.clamp_min(1), midpoint)
+        denom = n + smoothing
+        y[k] = torch.where(denom > 0, (sum_y + smoothing * mean_p) / denom.clamp_min(1e-12), mean_p)
+        w[k] = denom.clamp_min(1e-9)
+    values = monotone_cells(y, w).clamp(1e-4, 1 - 1e-4)
+    return BinnedMap(base, [list(edges)] * gamma, values.tolist())
 
 
 METHODS = ("binned", "sts", "joint")
 
 
-def fit_map(records: RoundRecords, has_head: bool, method: str = "binned", bins: int = 10,
+def fit_map(records: RoundRecords, has_head: bool, method: str = "binned", bins: int = 20,
             smoothing: float = 2.0) -> SurvivalMap:
     """The base map, then histogram binning on top of it (`fit_binned`'s bins and smoothing) unless method is
     "sts". Base: for a drafter with a confidence head, Sequential Temperature Scaling ("binned", "sts") or the

@@ -96,6 +96,7 @@ class CalibrationRun:
     eval_rounds: int
     workload_maps: dict[str, SurvivalMap]
     after_workload: dict | None
+    swapped: dict | None = None  # the same fit with the halves swapped: {"ece": {domain: ...}, "ece_se": {...}}
 
 
 def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float, domains: Sequence[str],
@@ -176,15 +177,15 @@ def fit_and_score(fit_records: RoundRecords, eval_records: RoundRecords, tempera
     """Fit the pooled map (and one per domain when there are several) and score them on the held-out rounds."""
     has_head = bool(torch.isfinite(fit_records.signals[..., 0]).any())
     before_map = default_map(has_head, fit_records.gamma)
-    fitted = fit_map(fit_records, has_head, method)
-    domains = [d for d in fit_records.domains() if d]
-    workload_maps: dict[str, SurvivalMap] = {}
-    if len(domains) > 1:
-        for d in domains:
-            workload_maps[d] = fit_map(fit_records.subset([x == d for x in fit_records.domain]), has_head, method)
+    fitted, workload_maps = _fit_maps(fit_records, has_head, method)
     before = calibration_report(eval_records, before_map)
     after = calibration_report(eval_records, fitted)
     after_workload = calibration_report(eval_records, fitted, workload_maps) if workload_maps else None
+    swapped = None
+    if len(eval_records) and len(fit_records):  # the other direction: fitted on the held-out half, scored on the fit half
+        swap_fitted, swap_workload = _fit_maps(eval_records, has_head, method)
+        rep = calibration_report(fit_records, swap_fitted, swap_workload or None)
+        swapped = {"ece": rep["headline_ece"], "ece_se": rep["ece_se"], "rounds": len(fit_records)}
     if plot_dir is not None:
         path = Path(plot_dir) / f"reliability_{label}_T{temperature:g}.png"
         curves: dict = {"before": before_map, "after": fitted}
@@ -193,7 +194,33 @@ def fit_and_score(fit_records: RoundRecords, eval_records: RoundRecords, tempera
         reliability_diagram(eval_records, curves, path,
                             f"{label}, T {temperature:g}: cumulative survival on held-out rounds")
     return CalibrationRun(temperature, fitted, before, after, len(fit_records), len(eval_records),
-                          workload_maps, after_workload)
+                          workload_maps, after_workload, swapped)
+
+
+def _fit_maps(records: RoundRecords, has_head: bool, method: str) -> tuple[SurvivalMap, dict[str, SurvivalMap]]:
+    """The pooled map and, with more than one domain, one map per domain."""
+    domains = [d for d in records.domains() if d]
+    workload_maps: dict[str, SurvivalMap] = {}
+    if len(domains) > 1:
+        for d in domains:
+            workload_maps[d] = fit_map(records.subset([x == d for x in records.domain]), has_head, method)
+    return fit_map(records, has_head, method), workload_maps
+
+
+def format_swapped(run: CalibrationRun) -> str:
+    """One line per domain: the shipped fit's held-out ECE, the same fit with the halves swapped, their mean."""
+    if run.swapped is None:
+        return ""
+    shipped = (run.after_workload or run.after)["headline_ece"]
+    lines = ["halves swapped (fitted on the held-out rounds, scored on the "
+             f"{run.swapped['rounds']} fitting rounds): cumulative ECE (pooled)"]
+    for d, value in run.swapped["ece"].items():
+        one = shipped.get(d)
+        if value is None or one is None:
+            continue
+        lines.append(f"  {d}: {100 * one:.2f}% held-out, {100 * value:.2f}% swapped "
+                     f"(± {100 * (run.swapped['ece_se'].get(d) or 0.0):.2f}), mean {50 * (one + value):.2f}%")
+    return "\n".join(lines) + "\n"
 
 
 def run_calibrate(target: CausalLM, drafter: Drafter, out: str | Path, temperatures: Sequence[float],
@@ -221,9 +248,12 @@ def run_calibrate(target: CausalLM, drafter: Drafter, out: str | Path, temperatu
                              "eval_rounds": run.eval_rounds, "domains": list(domains)}
         if run.after_workload is not None:
             metrics[float(t)]["after_workload"] = run.after_workload
+        if run.swapped is not None:
+            metrics[float(t)]["swapped"] = run.swapped
         print(f"\n{label} at temperature {t:g}: fitted on {run.fit_rounds} rounds, scored on {run.eval_rounds} "
               f"held-out rounds ({run.fitted.kind})")
         print(format_report_table(run.before, run.after, run.after_workload))
+        print(format_swapped(run))
         sys.stdout.flush()
     workload_maps = {w: m for w, m in workload_maps.items() if m}
     cal = Calibration(maps, drafter=did, target=tid, metrics=metrics, workload_maps=workload_maps)

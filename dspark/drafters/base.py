@@ -46,6 +46,21 @@ class DraftBlock:
         lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         return cls(tokens=tokens.to(device), lengths=lengths.to(device))
 
+    def scatter(self, rows: Sequence[int], num_rows: int) -> "DraftBlock":
+        """This block's rows placed at `rows` of a block of `num_rows` rows; the others draft nothing (length 0,
+        zero probabilities, confidence 0.5, NaN peaks)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.lengths.device)
+
+        def spread(t: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.full((num_rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            out[idx] = t
+            return out
+
+        return DraftBlock(spread(self.tokens, 0), spread(self.lengths, 0), spread(self.probs, 0.0),
+                          spread(self.confidences, 0.5), spread(self.peaks, float("nan")))
+
     def truncate(self, max_lens: Sequence[int]) -> "DraftBlock":
         """Return the block with row r cut to at most max_lens[r] drafts."""
         cap = torch.as_tensor(list(max_lens), dtype=torch.long, device=self.lengths.device)

@@ -21,6 +21,13 @@ requests). Rows whose drafts carry NaN / inf probabilities or confidences verify
 of rounds, doubling while calls stay slow (`draft_timeouts`); paused rounds are plain decoding rounds, and the
 drafter still observes them. All three are lossless for every other request.
 
+The drafter sleeps through an adaptive scheduler's long back-offs (`EngineConfig.drafter_sleep`): a drafter that
+reads target features keeps a context of them per request, built at join and extended every round, drafting or
+not. While the scheduler expects no drafting for many steps (`Scheduler.dormant`) the engine drops that state,
+captures no features and makes no drafter call; requests running or admitted then stay without drafts until
+they finish ("blind": the drafter holds no row for them and drafts only for the others), and requests admitted
+after the drafter wakes, which it does ahead of the next probe, are drafted for as usual.
+
 `dspark.decoding.decode` (and so `generate`, `bench`, `profile`, `calibrate`) runs a fixed set of requests
 through this loop; the server calls the same `step` from its engine thread.
 """
@@ -143,6 +150,8 @@ class EngineConfig:
     (`dspark.engine.rate_guard`). Off by default: since the cost model prices served steps itself (plain
     probes, per-kind offsets, the overhead's fixed part), the guard's plain windows cost more than they
     caught in the load sweep (docs/serving.md).
+    drafter_sleep: with an adaptive scheduler and a drafter that reads target features, drop the drafter's
+    per-request context while the scheduler is far into a back-off (`Scheduler.dormant`); see the module doc.
     """
 
     max_running: int = 64
@@ -155,6 +164,7 @@ class EngineConfig:
     detokenize: bool = True
     draft_timeout: float | None = None
     rate_guard: bool = False
+    drafter_sleep: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk"):
@@ -224,6 +234,10 @@ class Engine:
         self.rate_guard = RateGuard() if self.scheduler.adaptive and self.config.rate_guard else None
         self._committed = 0  # tokens committed so far (the rate guard's counts)
         self._last_step: tuple[float, float, int, int, float] | None = None  # start, seconds, committed, rows, greedy
+        self._can_sleep = bool(self.config.drafter_sleep and self.scheduler.adaptive and self.want_features)
+        self._asleep = False  # the drafter holds no rows and no target features are captured
+        self._blind: set[int] = set()  # requests without a drafter context: they verify no drafts
+        self.drafter_sleeps = 0  # times the drafter was put to sleep
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, request: Request) -> None:
@@ -287,6 +301,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         self._fresh.clear()
         self._drop_cancelled(outputs)
+        self._update_sleep()
         self._admit()
         prefill_start = time.perf_counter()
         self._join_seconds, self._prefill_slots = 0.0, 0
@@ -387,6 +402,8 @@ class Engine:
                 self._gens[req.seq] = make_generator(req.sampling.seed, self.target.device)
                 self._seqs[req.seq] = list(req.prompt_ids)
                 self._features[req.seq] = []
+                if self._asleep:
+                    self._blind.add(req.seq)
                 if self.config.detokenize and self.target.tokenizer is not None:
                     self._streams[req.seq] = TextStream(self.target.tokenizer, req.stop)
                 self.prefilling.append(req)
@@ -415,7 +432,7 @@ class Engine:
         self._prefill_slots = len(chunks) * max(len(c) for c in chunks)
         out = self.prefill_lm.forward(chunks, features=self.want_features, last_logits_only=True)
         for r, (req, chunk) in enumerate(zip(self.prefilling, chunks)):
-            if self.want_features and chunk:
+            if self.want_features and chunk and req.seq not in self._blind:
                 self._features[req.seq].append(out.features[r, : len(chunk)])
             req.prefilled += len(chunk)
         done = [r for r, req in enumerate(self.prefilling) if chunks[r] and req.prefilled == len(req.prompt_ids)]
@@ -440,7 +457,9 @@ class Engine:
         for req, tokens in zip(joining, first.tokens):
             req.rounds.append(RoundStats(0, 0, 0, None))  # the prefill pass committed one token
             self._commit(req, tokens, now, outputs)
-        self.drafter.join([self._seqs[req.seq] for req in joining], self._join_features(joining))
+        sighted = [req for req in joining if req.seq not in self._blind]
+        if sighted and not self._asleep:
+            self.drafter.join([self._seqs[req.seq] for req in sighted], self._join_features(sighted))
         done_set = set(done)
         self.prefilling = [req for r, req in enumerate(self.prefilling) if r not in done_set]
         for req in joining:
@@ -449,6 +468,12 @@ class Engine:
         start = len(self.running)
         self.running.extend(joining)
         self._leave([start + j for j, req in enumerate(joining) if req.finished], None, outputs)
+
+    def _sighted(self, rows: list[Request]) -> list[int] | None:
+        """Indices of the rows the drafter holds (None: all of them, the usual case)."""
+        if not self._blind:
+            return None
+        return [r for r, req in enumerate(rows) if req.seq not in self._blind]
 
     def _join_features(self, joining: list[Request]) -> torch.Tensor | None:
         if not self.want_features:
@@ -474,6 +499,8 @@ class Engine:
         budget = []
         for req in rows:
             left = req.max_tokens - len(req.output_ids) - 1
+            if req.seq in self._blind:
+                left = 0
             budget.append(left if req.draft_limit is None else min(left, req.draft_limit))
         return _RoundInputs(rows, params, BatchSampling.from_params(params, self.target.device),
                             [self._gens[req.seq] for req in rows], [self._seqs[req.seq] for req in rows], budget)
@@ -481,6 +508,8 @@ class Engine:
     def _wants_drafts(self, budget: list[int]) -> bool:
         """Whether this round calls the drafter (not while a slow drafting call's pause lasts)."""
         if self.gamma == 0 or max(budget) <= 0:
+            if self._blind:  # rows that could draft but have no drafter context: a back-off still counts down
+                self.scheduler.idle_step(len(budget))
             return False
         if self._draft_pause > 0:
             self._draft_pause -= 1
@@ -493,8 +522,14 @@ class Engine:
         """The round's drafting call, timed against draft_timeout. None when it raised and the rows whose
         drafting raises alone have failed (re-raised when no row does)."""
         call = time.perf_counter()
+        sighted = self._sighted(batch.rows)
         try:
-            block = self.drafter.propose(batch.seqs, batch.sampling, batch.gens)
+            if sighted is None:
+                block = self.drafter.propose(batch.seqs, batch.sampling, batch.gens)
+            else:  # blind rows have no drafter row: draft for the others
+                sampling = BatchSampling.from_params([batch.params[r] for r in sighted], self.target.device)
+                block = self.drafter.propose([batch.seqs[r] for r in sighted], sampling,
+                                             [batch.gens[r] for r in sighted]).scatter(sighted, len(batch.rows))
         except Exception as err:
             if not self._fail_drafting_rows(err, batch, outputs):
                 raise
@@ -516,10 +551,11 @@ class Engine:
         if type(self.drafter).propose_rows is Drafter.propose_rows:
             return False
         failed: dict[int, Exception] = {}
-        for r in range(len(batch.rows)):
+        sighted = self._sighted(batch.rows)
+        for d, r in enumerate(range(len(batch.rows)) if sighted is None else sighted):
             one = BatchSampling.from_params([batch.params[r]], self.target.device)
             try:
-                self.drafter.propose_rows([r], [batch.seqs[r]], one, [batch.gens[r]])
+                self.drafter.propose_rows([d], [batch.seqs[r]], one, [batch.gens[r]])
             except Exception as row_err:  # noqa: BLE001 - this row's fault: it fails alone
                 failed[r] = row_err
         if not failed:
@@ -608,7 +644,14 @@ class Engine:
                 res.tokens[r], res.accepted[r] = res.tokens[r][: cut + 1], cut + 1
         # Keep the anchor and the accepted drafts in the target cache; the new token is the next anchor.
         self.target.truncate(base_len + 1 + torch.tensor(res.accepted, device=device))
-        self.drafter.observe(RoundOutcome(committed=res.tokens, accepted=res.accepted, features=out.features))
+        if not self._asleep:
+            sighted = self._sighted(rows)
+            if sighted is None:
+                self.drafter.observe(RoundOutcome(committed=res.tokens, accepted=res.accepted, features=out.features))
+            elif sighted:
+                feats = None if out.features is None else out.features[torch.tensor(sighted, device=device)]
+                self.drafter.observe(RoundOutcome([res.tokens[r] for r in sighted], [res.accepted[r] for r in sighted],
+                                                  feats))
         if self.online_calibration is not None and signals is not None:
             for r, req in enumerate(rows):  # the verified prefix labels positions 1..ℓ (admission read signals only)
                 if lens[r] > 0:
@@ -688,7 +731,13 @@ class Engine:
             keep[hole] = mover
         leaving = [self.running[r] for r in rows]
         self.target.select(keep)
-        self.drafter.select(keep)
+        if not self._asleep:
+            sighted = self._sighted(self.running)
+            if sighted is None:
+                self.drafter.select(keep)
+            else:  # the drafter's rows are the sighted rows, in order
+                slot = {r: d for d, r in enumerate(sighted)}
+                self.drafter.select([slot[r] for r in keep if r in slot])
         self.running = [self.running[r] for r in keep]
         for req in leaving:
             if reason is not None:
@@ -711,3 +760,24 @@ class Engine:
         req.finish_time = time.perf_counter()
         for store in (self._features, self._streams, self._gens, self._seqs):
             store.pop(req.seq, None)
+        self._blind.discard(req.seq)
+
+    def _update_sleep(self) -> None:
+        """Put the drafter to sleep when the scheduler turns dormant, wake it when it no longer is."""
+        if not self._can_sleep:
+            return
+        if self._asleep and self.running:  # a load that moved over 2x ends the back-off before anyone is admitted
+            self.scheduler.rejudge(len(self.running))
+        if self.scheduler.dormant == self._asleep:
+            return
+        if not self._asleep:
+            self.drafter.reset()
+            self._asleep, self.want_features = True, False
+            self._blind.update(req.seq for req in (*self.running, *self.prefilling))
+            for parts in self._features.values():
+                parts.clear()
+            self.drafter_sleeps += 1
+            log.info("drafter asleep: the scheduler expects no drafting for %d steps", self.scheduler._skip)
+            return
+        self._asleep, self.want_features = False, True  # the drafter holds no rows: every running row is blind
+        log.info("drafter awake: %d running requests stay without drafts", len(self.running))

@@ -1,0 +1,91 @@
+"""The drafter sleeps through an adaptive scheduler's long back-offs: no upkeep, no drafter rows, still lossless."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dspark
+from dspark.api import encode_prompt
+from dspark.decoding import decode
+from dspark.drafters import NoDrafter
+from dspark.engine import Engine, EngineConfig, Request
+from dspark.evaluation.bench import load_eval_prompts
+from dspark.scheduling import CostModel, Scheduler
+
+NO_EOS: frozenset[int] = frozenset()
+
+
+def pays_only_below(rows: int, gamma: int = 7) -> CostModel:
+    """Drafted steps cost 1.02x a plain step per verified draft at 1-2 requests (drafting pays) and 5x at 4
+    and more (it never does)."""
+    drafted = {b: [(n, 1.0 + (0.02 * (n - b) if b < rows else 4.0)) for n in range(b, (gamma + 1) * b + 1)]
+               for b in (1, 2, 4, 8)}
+    return CostModel(drafted, {b: 1.0 for b in drafted}, "padded")
+
+
+def test_the_scheduler_turns_dormant_deep_in_a_back_off_and_counts_idle_steps() -> None:
+    cost = pays_only_below(2)
+    s = Scheduler("dspark", gamma=7)
+    survival = np.full((4, 7), 0.6).cumprod(1)
+    seen = []
+    for _ in range(200):
+        if s.wants_drafts(4):
+            s.plan(survival, [7] * 4, cost)
+        seen.append(s.dormant)
+    assert any(seen) and s.skipped_steps > 150  # back-offs of 4, 16, 64, then 256 steps
+    while s.dormant:  # idle steps count the back-off down without probing
+        skip = s._skip
+        s.idle_step(4)
+        assert s._skip == skip - 1
+    assert 0 < s._skip <= s.max_backoff // 4  # awake ahead of the probe
+    s.idle_step(1)  # the load dropped over 2x: the back-off ends, and an idle step starts no probe
+    assert s._skip == 0 and not s.dormant and s.wants_drafts(1)
+    assert not Scheduler("fixed", gamma=7).dormant
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled_target) -> list[list[int]]:
+    texts = [t for d in ("code", "prose") for t in load_eval_prompts(d, 3)]
+    return [encode_prompt(bundled_target, t) for t in texts]
+
+
+def test_the_drafter_sleeps_at_a_load_where_drafting_never_pays_and_stays_lossless(bundled_target, prompts) -> None:
+    """Four greedy requests where drafting never pays: the drafter falls asleep (no rows, no feature capture),
+    the requests running then verify no drafts for the rest of their lives, and when the load drops the
+    drafter wakes: a request joining later drafts and is accepted. Every output equals target-only decoding."""
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    engine = Engine(bundled_target, drafter, "dspark", pays_only_below(4), EngineConfig(online_cost=False),
+                    eos_token_ids=NO_EOS)
+    lengths = [150, 150, 150, 260]
+    early = [Request(p, max_tokens=n) for p, n in zip(prompts[:4], lengths)]
+    late = Request(prompts[4], max_tokens=60)
+    asleep_rows, feature_steps = [], 0
+    for r in early:
+        engine.add(r)
+    step = 0
+    while engine.has_work:
+        if step > 0 and sum(r.finished for r in early) == 3 and late.state == "waiting" and late not in engine.waiting:
+            engine.add(late)
+        engine.step()
+        if engine._asleep:
+            asleep_rows.append(int(drafter.ctx.lengths.numel()))
+            feature_steps += engine.want_features
+        step += 1
+        assert step < 2000
+    assert engine.drafter_sleeps >= 1 and asleep_rows and max(asleep_rows) == 0 and feature_steps == 0
+    slept_at = next(i for i, s in enumerate(early[3].rounds) if i > 0 and s.draft_len == 0 and
+                    all(t.draft_len == 0 for t in early[3].rounds[i:]))
+    assert slept_at < len(early[3].rounds) - 100  # blind for the rest of its life once the drafter slept
+    assert any(s.draft_len > 0 and s.accepted > 0 for s in late.rounds)  # joined after the wake: drafted
+    for r in [*early, late]:
+        reference = decode(bundled_target, NoDrafter(), [r.prompt_ids], max_new_tokens=r.max_tokens,
+                           eos_token_ids=NO_EOS)[0].token_ids
+        assert r.output_ids == reference
+
+
+def test_drafter_sleep_can_be_switched_off(bundled_target, prompts) -> None:
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    engine = Engine(bundled_target, drafter, "dspark", pays_only_below(4),
+                    EngineConfig(online_cost=False, drafter_sleep=False), eos_token_ids=NO_EOS)
+    engine.run([Request(p, max_tokens=120) for p in prompts[:4]])
+    assert engine.drafter_sleeps == 0 and engine.scheduler.skipped_steps > 80
