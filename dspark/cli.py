@@ -149,7 +149,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                   fit_prompts=args.fit_prompts, eval_prompts=args.eval_prompts, fit_offset=args.fit_offset,
                   prompt_texts=texts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                   plot_dir=args.plot_dir, records_dir=args.records_dir, method=args.method,
-                  from_records=args.from_records)
+                  from_records=args.from_records, greedy_peaks=not args.ignore_greedy_peaks)
     print(f"wrote {out}")
     return 0
 
@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "map of drafters without a confidence head); sts: the scaling alone, as in the paper; "
                           "joint: binning on top of a logistic map of the head logit joined with the drafting "
                           "distribution's max and entropy (a greedy row's peak)")
+    cal.add_argument("--ignore-greedy-peaks", action="store_true",
+                     help="fit as if greedy rows had no drafting-distribution peak: drafters without a confidence "
+                          "head then give greedy rows a per-position prior (the shipped T 0 maps; docs/scheduling.md)")
     cal.add_argument("--from-records", default=None, type=existing_path_arg, metavar="DIR",
                      help="refit on the rounds an earlier run saved with --records-dir instead of decoding")
     cal.add_argument("--records-dir", default=None, help="also save the recorded fitting and held-out rounds "

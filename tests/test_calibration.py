@@ -554,3 +554,17 @@ def test_calibration_report_gives_a_prompt_standard_error_per_domain() -> None:
         assert 0 < report["ece_se"][name] < 0.05
     assert report["ece_se"]["code"] > report["ece_se"]["all"]  # a third of the rounds
     assert "ECE standard error (prompts resampled)" in format_report_table(report, report)
+
+
+def test_calibrating_without_greedy_peaks_gives_greedy_rows_a_prior(tmp_path) -> None:
+    """`--ignore-greedy-peaks`: the fit sees greedy rows without their peak, so a map without a head reads no q
+    for them (the engine then computes no peaks), while the recorded rounds keep the peaks."""
+    records = joint_records()
+    records.signals[..., 0] = NAN  # a drafter without a head: the peak is all a greedy row has
+    blind = records.without_greedy_peaks()
+    assert bool(torch.isnan(blind.signals[..., 1]).all()) and not bool(torch.isnan(records.signals[..., 1]).all())
+    assert fit_map(records, has_head=False).reads_q and not fit_map(blind, has_head=False).reads_q
+    from dspark.calibration.job import fit_and_score
+
+    run = fit_and_score(records, joint_records(seed=5), 0.0, greedy_peaks=False)
+    assert not run.fitted.reads_q and len(set(run.fitted.base.prior)) > 1  # one prior per position

@@ -105,7 +105,8 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
                           plot_dir: str | Path | None = None, label: str = "drafter",
                           records_dir: str | Path | None = None,
                           prompt_texts: dict[str, list[str]] | None = None,
-                          method: str = "binned", from_records: str | Path | None = None) -> CalibrationRun:
+                          method: str = "binned", from_records: str | Path | None = None,
+                          greedy_peaks: bool = True) -> CalibrationRun:
     """Fit the drafter's survival map at one temperature and score it before and after on disjoint prompts.
 
     records_dir: also save the fitting and held-out rounds there (safetensors), to refit or rescore offline.
@@ -114,12 +115,14 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
     prompt_texts and eval_prompts None, each domain's even-numbered prompts are scored and its odd-numbered
     ones fitted (interleaved, since prompt files are often ordered by source).
     method: "binned" (histogram binning on STS / the logistic map) or "sts" (the map alone). from_records: a
-    --records-dir folder of an earlier run: refit on its rounds instead of decoding.
+    --records-dir folder of an earlier run: refit on its rounds instead of decoding. greedy_peaks False: fit and
+    score as if greedy rows had no drafting-distribution peak (`RoundRecords.without_greedy_peaks`); the
+    recorded rounds keep them.
     """
     if from_records is not None:
         fit_path, eval_path = records_paths(from_records, label, temperature)
         return fit_and_score(RoundRecords.load(fit_path), RoundRecords.load(eval_path), temperature, plot_dir,
-                             label, method)
+                             label, method, greedy_peaks)
     if eval_prompts is None:
         if prompt_texts is None:
             raise ValueError("eval_prompts is needed with the bundled prompts")
@@ -133,7 +136,7 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
                                      temperature, max_new_tokens, batch_size, seed, d))
             held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, len(held_texts), held_texts),
                                       temperature, max_new_tokens, batch_size, seed + 10_000, d))
-        return _finish(fit, held, temperature, plot_dir, label, records_dir, method)
+        return _finish(fit, held, temperature, plot_dir, label, records_dir, method, greedy_peaks)
     fit_prompts = 40 if fit_prompts is None else fit_prompts
     fit_offset = (eval_prompts if prompt_texts is not None else 60) if fit_offset is None else fit_offset
     if fit_offset < eval_prompts:
@@ -152,18 +155,18 @@ def calibrate_temperature(target: CausalLM, drafter: Drafter, temperature: float
                                  temperature, max_new_tokens, batch_size, seed, d))
         held.append(record_rounds(target, drafter, domain_prompts(target, d, 0, eval_prompts, texts), temperature,
                                   max_new_tokens, batch_size, seed + 10_000, d))
-    return _finish(fit, held, temperature, plot_dir, label, records_dir, method)
+    return _finish(fit, held, temperature, plot_dir, label, records_dir, method, greedy_peaks)
 
 
 def _finish(fit: list[RoundRecords], held: list[RoundRecords], temperature: float, plot_dir: str | Path | None,
-            label: str, records_dir: str | Path | None, method: str) -> CalibrationRun:
+            label: str, records_dir: str | Path | None, method: str, greedy_peaks: bool = True) -> CalibrationRun:
     fit_records, eval_records = RoundRecords.concat(fit), RoundRecords.concat(held)
     if records_dir is not None:
         Path(records_dir).mkdir(parents=True, exist_ok=True)
         fit_path, eval_path = records_paths(records_dir, label, temperature)
         fit_records.save(fit_path)
         eval_records.save(eval_path)
-    return fit_and_score(fit_records, eval_records, temperature, plot_dir, label, method)
+    return fit_and_score(fit_records, eval_records, temperature, plot_dir, label, method, greedy_peaks)
 
 
 def records_paths(records_dir: str | Path, label: str, temperature: float) -> tuple[Path, Path]:
@@ -173,8 +176,12 @@ def records_paths(records_dir: str | Path, label: str, temperature: float) -> tu
 
 
 def fit_and_score(fit_records: RoundRecords, eval_records: RoundRecords, temperature: float,
-                  plot_dir: str | Path | None = None, label: str = "drafter", method: str = "binned") -> CalibrationRun:
-    """Fit the pooled map (and one per domain when there are several) and score them on the held-out rounds."""
+                  plot_dir: str | Path | None = None, label: str = "drafter", method: str = "binned",
+                  greedy_peaks: bool = True) -> CalibrationRun:
+    """Fit the pooled map (and one per domain when there are several) and score them on the held-out rounds
+    (greedy_peaks False: as if greedy rows had no peak, `RoundRecords.without_greedy_peaks`)."""
+    if not greedy_peaks:
+        fit_records, eval_records = fit_records.without_greedy_peaks(), eval_records.without_greedy_peaks()
     has_head = bool(torch.isfinite(fit_records.signals[..., 0]).any())
     before_map = default_map(has_head, fit_records.gamma)
     fitted, workload_maps = _fit_maps(fit_records, has_head, method)

@@ -57,6 +57,17 @@ class RoundRecords:
         """Block width γ."""
         return self.signals.shape[1]
 
+    def without_greedy_peaks(self) -> "RoundRecords":
+        """These rounds with greedy rows' drafting-distribution signals (max_q, entropy: the peak) set to NaN, so
+        a map fitted on them gives greedy rows a per-position prior (what the shipped maps without peaks do)."""
+        from dspark.calibration.signals import ENTROPY, MAX_Q
+
+        signals = self.signals.clone()
+        rows = self.greedy.bool()
+        signals[rows, :, MAX_Q] = float("nan")
+        signals[rows, :, ENTROPY] = float("nan")
+        return RoundRecords(signals, self.available, self.accepted, self.greedy, list(self.domain), self.prompt)
+
     def subset(self, mask: torch.Tensor | Sequence[bool]) -> "RoundRecords":
         """The rounds where mask is true."""
         m = torch.as_tensor(mask, dtype=torch.bool)
