@@ -11,6 +11,7 @@ from dspark.drafters import NoDrafter
 from dspark.engine import Engine, EngineConfig, Request
 from dspark.evaluation.bench import load_eval_prompts
 from dspark.scheduling import CostModel, Scheduler
+from dspark.serving.metrics import ServerMetrics
 
 NO_EOS: frozenset[int] = frozenset()
 
@@ -73,6 +74,9 @@ def test_the_drafter_sleeps_at_a_load_where_drafting_never_pays_and_stays_lossle
         step += 1
         assert step < 2000
     assert engine.drafter_sleeps >= 1 and asleep_rows and max(asleep_rows) == 0 and feature_steps == 0
+    metrics = ServerMetrics()
+    metrics.watch(engine)
+    assert f"dspark:engine_drafter_sleeps_total {float(engine.drafter_sleeps)}" in metrics.render().decode()
     slept_at = next(i for i, s in enumerate(early[3].rounds) if i > 0 and s.draft_len == 0 and
                     all(t.draft_len == 0 for t in early[3].rounds[i:]))
     assert slept_at < len(early[3].rounds) - 100  # blind for the rest of its life once the drafter slept

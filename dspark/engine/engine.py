@@ -777,7 +777,7 @@ class Engine:
             for parts in self._features.values():
                 parts.clear()
             self.drafter_sleeps += 1
-            log.info("drafter asleep: the scheduler expects no drafting for %d steps", self.scheduler._skip)
+            log.info("drafter asleep: the scheduler expects no drafting for many steps")
             return
         self._asleep, self.want_features = False, True  # the drafter holds no rows: every running row is blind
         log.info("drafter awake: %d running requests stay without drafts", len(self.running))

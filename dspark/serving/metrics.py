@@ -12,7 +12,8 @@ runner's. Queue gauges and the calibration ECE are read when /metrics is scraped
   first token), so τ = generation_tokens_total / decode_rounds_total, as a response's speculation.rounds.
 - engine_request_errors_total, engine_nonfinite_drafts_total, engine_draft_timeouts_total: the engine's fault
   counters (requests failed alone by their drafting, row rounds whose NaN / inf drafts were dropped, drafting
-  calls over draft_timeout), read from the engine at scrape time.
+  calls over draft_timeout), and engine_drafter_sleeps_total (times the drafter slept through a back-off),
+  read from the engine at scrape time.
 - kv_cache_tokens / kv_cache_bytes: the target KV cache as allocated now (rows × slot width, and the bytes of
   its key / value tensors), of the running batch and of the rows still prefilling (what
   EngineConfig.kv_budget_tokens bounds); kv_reserved_tokens: the sum of the admitted requests' reservations.
@@ -38,6 +39,8 @@ ENGINE_COUNTERS = (  # (metric, help, Engine attribute)
      "confidences.", "nonfinite_drafts"),
     ("dspark:engine_draft_timeouts", "Drafting calls slower than draft_timeout (drafting paused after each).",
      "draft_timeouts"),
+    ("dspark:engine_drafter_sleeps", "Times the drafter was put to sleep through a long back-off of the adaptive "
+     "scheduler (its per-request context dropped).", "drafter_sleeps"),
 )
 
 
