@@ -585,7 +585,13 @@ class Scheduler:
         """Whether an adaptive policy is far into a back-off: more than `max_backoff // 4` steps without
         drafting lie ahead, so the decoding loop may let the drafter drop its per-request upkeep (its context
         of target features) and rebuild it for the requests that join before the next probe."""
-        return self.adaptive and self._skip > self.max_backoff // 4
+        return self.adaptive and self._skip > self.wake_lead
+
+    @property
+    def wake_lead(self) -> int:
+        """Steps before a probe at which a sleeping drafter wakes (`dormant` ends), so that the requests
+        joining meanwhile have drafter context by the probe."""
+        return self.max_backoff // 4
 
     def rejudge(self, num_rows: int) -> None:
         """End a back-off decided at a batch size over 2x away from `num_rows` (called by `wants_drafts` and
@@ -605,8 +611,24 @@ class Scheduler:
             return
         self.rejudge(num_rows)
         if self._skip > 0:
-            self._skip -= 1
-            self.skipped_steps += 1
+            self._count_down(num_rows)
+
+    def _count_down(self, num_rows: int) -> None:
+        """One skipped step of a back-off. Where a long back-off reaches its last `wake_lead` steps, the
+        probe it ends in is judged now rather than at its end: if the typical survivals predict no gain,
+        the back-off is extended at once, so a loop whose drafter sleeps (`dormant`) does not wake it for a
+        probe that would be skipped anyway."""
+        self._skip -= 1
+        self.skipped_steps += 1
+        if self._skip == self.wake_lead and self._probe_skippable(num_rows):
+            self._since_probe += self._backoff
+            self._skip += self._backoff
+            self._backoff = min(self.max_backoff, self._backoff * 4)
+
+    def _probe_skippable(self, num_rows: int) -> bool:
+        """Whether the probe that ends the current back-off would be skipped: the typical survival row still
+        predicts no gain at this batch size and the longest time without a probe has not passed."""
+        return self._probing and self._since_probe < self.max_backoff and not self._predicted_to_pay(num_rows)
 
     def wants_drafts(self, num_rows: int) -> bool:
         """Whether the coming step should call the drafter at all."""
@@ -614,10 +636,9 @@ class Scheduler:
             return False
         self.rejudge(num_rows)
         if self._skip > 0:
-            self._skip -= 1
-            self.skipped_steps += 1
+            self._count_down(num_rows)
             return False
-        if self._probing and self._since_probe < self.max_backoff and not self._predicted_to_pay(num_rows):
+        if self._probe_skippable(num_rows):
             # the last drafted step's survivals still say drafting cannot pay at this batch size under the
             # current (online-corrected) costs: keep skipping without paying for a probe
             self._since_probe += self._backoff

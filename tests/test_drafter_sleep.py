@@ -34,14 +34,39 @@ def test_the_scheduler_turns_dormant_deep_in_a_back_off_and_counts_idle_steps() 
             s.plan(survival, [7] * 4, cost)
         seen.append(s.dormant)
     assert any(seen) and s.skipped_steps > 150  # back-offs of 4, 16, 64, then 256 steps
-    while s.dormant:  # idle steps count the back-off down without probing
+    while s.dormant:  # idle steps count the back-off down without probing (or extend it: next test)
         skip = s._skip
         s.idle_step(4)
-        assert s._skip == skip - 1
+        assert s._skip in (skip - 1, skip - 1 + s.max_backoff)
     assert 0 < s._skip <= s.max_backoff // 4  # awake ahead of the probe
     s.idle_step(1)  # the load dropped over 2x: the back-off ends, and an idle step starts no probe
     assert s._skip == 0 and not s.dormant and s.wants_drafts(1)
     assert not Scheduler("fixed", gamma=7).dormant
+
+
+def test_the_drafter_wakes_only_for_probes_that_run() -> None:
+    """Where the typical survivals predict that drafting cannot pay, a long back-off's probe is skipped; that
+    is decided where the back-off enters its last `wake_lead` steps, so every window in which a sleeping
+    drafter is awake ends in a drafted step (before, every other window woke it for a skipped probe)."""
+    cost = pays_only_below(2)
+    s = Scheduler("dspark", gamma=7)
+    survival = np.full((4, 7), 0.6).cumprod(1)
+    windows, awake, drafted = [], 0, False
+    for _ in range(4000):
+        if s.dormant:
+            if awake:
+                windows.append((awake, drafted))
+            awake, drafted = 0, False
+            s.idle_step(4)  # the engine's step while the drafter sleeps: no row can draft
+            continue
+        awake += 1
+        if s.wants_drafts(4):
+            drafted = True
+            s.plan(survival, [7] * 4, cost)
+    woke = windows[1:]  # the first window is the warm-up's short back-offs
+    assert len(woke) >= 5 and all(d for _, d in woke)
+    assert all(n <= s.wake_lead + 2 for n, _ in woke)  # awake for the lead, the probe and its decision
+    assert s.drafted_steps <= 4000 // (2 * s.max_backoff) + 4  # one probe per 2 * max_backoff steps
 
 
 @pytest.fixture(scope="module")
