@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 
 class StepOverhead:
     """Online fit of a step's seconds outside its round against its rows B and committed tokens T.
@@ -42,9 +40,10 @@ class StepOverhead:
         self.alpha = float(alpha)
         self.min_steps = int(min_steps)
         self.steps = 0
-        # exponentially weighted sums of 1, B, T, y, B², B·T, T², B·y, T·y
-        self._sums = np.zeros(9)
-        self._prefill = np.zeros(2)  # exponentially weighted sums of prefill seconds and committed tokens
+        # exponentially weighted sums of 1, B, T, y, B², B·T, T², B·y, T·y (plain floats: this runs every step,
+        # and numpy's per-call cost on 2×2 arrays was about 1% of a step at 32 rows)
+        self._sums = [0.0] * 9
+        self._prefill = [0.0, 0.0]  # exponentially weighted sums of prefill seconds and committed tokens
 
     def fixed(self, rows: int) -> float:
         """Seconds every step of `rows` requests pays outside its round, whatever it commits: a + c·B."""
@@ -61,51 +60,50 @@ class StepOverhead:
         if not (math.isfinite(seconds) and seconds >= 0) or rows < 0 or tokens < 0:
             return
         prefill = min(seconds, prefill_seconds) if math.isfinite(prefill_seconds) and prefill_seconds > 0 else 0.0
-        self._prefill *= 1.0 - self.alpha
-        self._prefill += (prefill, float(tokens))
+        keep = 1.0 - self.alpha
+        self._prefill = [keep * self._prefill[0] + prefill, keep * self._prefill[1] + float(tokens)]
         if self._prefill[1] > 0:
-            self.prefill_per_token = float(self._prefill[0] / self._prefill[1])
+            self.prefill_per_token = self._prefill[0] / self._prefill[1]
         b, t, y = float(rows), float(tokens), float(seconds - prefill)
-        self._sums *= 1.0 - self.alpha
-        self._sums += (1.0, b, t, y, b * b, b * t, t * t, b * y, t * y)
+        self._sums = [keep * s + x for s, x in zip(self._sums, (1.0, b, t, y, b * b, b * t, t * t, b * y, t * y))]
         self.steps += 1
         self._refit()
 
     def _refit(self) -> None:
         w, sb, st, sy, sbb, sbt, stt, sby, sty = self._sums
         mb, mt, my = sb / w, st / w, sy / w
-        cov = np.array([[sbb / w - mb * mb, sbt / w - mb * mt], [sbt / w - mb * mt, stt / w - mt * mt]])
-        rhs = np.array([sby / w - mb * my, sty / w - mt * my])
-        slopes = np.zeros(2)
-        if self.steps >= self.min_steps:
-            slopes = _nonnegative_slopes(cov, rhs)
-        self.per_row, self.per_token = float(slopes[0]), float(slopes[1])
-        self.intercept = float(my - slopes[0] * mb - slopes[1] * mt)
+        cov = (sbb / w - mb * mb, sbt / w - mb * mt, stt / w - mt * mt)
+        rhs = (sby / w - mb * my, sty / w - mt * my)
+        slopes = _nonnegative_slopes(cov, rhs) if self.steps >= self.min_steps else (0.0, 0.0)
+        self.per_row, self.per_token = slopes
+        self.intercept = my - slopes[0] * mb - slopes[1] * mt
 
     def __repr__(self) -> str:
         return (f"StepOverhead(intercept={self.intercept:.4g}, per_row={self.per_row:.4g}, "
                 f"per_token={self.per_token:.4g}, prefill_per_token={self.prefill_per_token:.4g}, steps={self.steps})")
 
 
-def _nonnegative_slopes(cov: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """Least-squares slopes ≥ 0 from centred moments: the best of the four active sets. A feature that barely
-    varies gets no slope; when B and T move together (plain steps commit one token per row) the rows take it,
-    so the overhead stays priced per step, as the mean would."""
-    var = np.diag(cov)
-    usable = var > 1e-9 * (1.0 + np.abs(var).max())
-    best, best_loss = np.zeros(2), 0.0
-    for subset in ([0], [1], [0, 1]):
-        if not all(usable[i] for i in subset):
+def _nonnegative_slopes(cov: tuple[float, float, float], rhs: tuple[float, float]) -> tuple[float, float]:
+    """Least-squares slopes ≥ 0 from centred moments (cov = var B, cov(B, T), var T; rhs = cov(B, y), cov(T, y)):
+    the best of the four active sets. A feature that barely varies gets no slope; when B and T move together
+    (plain steps commit one token per row) the rows take it, so the overhead stays priced per step, as the mean
+    would."""
+    vbb, vbt, vtt = cov
+    rb, rt = rhs
+    tiny = 1e-9 * (1.0 + max(abs(vbb), abs(vtt)))
+    candidates: list[tuple[float, float]] = []
+    if vbb > tiny:
+        candidates.append((rb / vbb, 0.0))
+    if vtt > tiny:
+        candidates.append((0.0, rt / vtt))
+    if vbb > tiny and vtt > tiny and vbt * vbt < 0.999 * vbb * vtt:  # else B and T cannot be told apart
+        det = vbb * vtt - vbt * vbt
+        candidates.append(((vtt * rb - vbt * rt) / det, (vbb * rt - vbt * rb) / det))
+    best, best_loss = (0.0, 0.0), 0.0
+    for c, b in candidates:
+        if c < 0 or b < 0:
             continue
-        sub = cov[np.ix_(subset, subset)]
-        if len(subset) == 2 and cov[0, 1] ** 2 >= 0.999 * var[0] * var[1]:
-            continue  # B and T move together: the two slopes cannot be told apart
-        coef = np.linalg.solve(sub, rhs[subset])
-        if (coef < 0).any():
-            continue
-        slopes = np.zeros(2)
-        slopes[subset] = coef
-        loss = float(slopes @ cov @ slopes - 2 * slopes @ rhs)  # residual variance up to a constant
+        loss = c * c * vbb + 2 * c * b * vbt + b * b * vtt - 2 * (c * rb + b * rt)  # residual variance + const
         if loss < best_loss:
-            best, best_loss = slopes, loss
+            best, best_loss = (c, b), loss
     return best

@@ -10,8 +10,9 @@ always in token order, so attention sees exactly the row's accepted text.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -52,6 +53,52 @@ def check_feature_layers(layer_ids: Sequence[int], num_layers: int) -> list[int]
     return ids
 
 
+def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList | None:
+    """The decoder layers of an HF causal LM in order (`get_decoder().layers`), or None where the model keeps
+    them elsewhere (then features come from `output_hidden_states`)."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        base = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        base = None
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_decoder_layers(model):
+        return layers
+    return None
+
+
+@contextmanager
+def capturing(layers: torch.nn.ModuleList, ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Record the hidden states `ids` select during one forward: id i the output of decoder layer i, -1 the
+    input of layer 0 (what HF's `hidden_states[i + 1]` and `hidden_states[0]` hold). The hooks live for that
+    pass only: once `output_hidden_states` has been asked for, HF keeps a capturing hook on every layer and
+    attention module, which cost about 2% of every later pass, plain decoding included."""
+    store: dict[int, torch.Tensor] = {}
+
+    def keep_input(i: int):
+        def hook(module, args, kwargs):
+            store[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def keep_output(i: int):
+        def hook(module, args, output):
+            store[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    handles = [layers[0].register_forward_pre_hook(keep_input(i), with_kwargs=True) if i == -1
+               else layers[i].register_forward_hook(keep_output(i)) for i in ids]
+    try:
+        yield store
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _nothing() -> Iterator[dict[int, torch.Tensor]]:
+    yield {}
+
+
 class CausalLM:
     """Batched incremental decoding over an HF `AutoModelForCausalLM` with per-row rollback."""
 
@@ -65,6 +112,7 @@ class CausalLM:
         self.model = model.eval() if model.training else model  # eval() walks every module: only when needed
         self.tokenizer = tokenizer
         self.feature_layers = check_feature_layers(feature_layers, num_decoder_layers(model))
+        self._layers = decoder_layers(model)
         self.compact_slack = compact_slack
         #: most slots a row may span (the padded cache holds batch × width); a pass that would widen the cache
         #: past it compacts first. None: no limit.
@@ -280,20 +328,24 @@ class CausalLM:
             attn_mask[empty] = True
         if self.cache is None:
             self.cache = new_cache(self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn_mask.long(),
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            output_hidden_states=features and bool(self.feature_layers),
-            **({"logits_to_keep": (counts - 1).clamp(min=0).view(-1, 1)} if last_logits_only else {}),
-        )
+        want = features and bool(self.feature_layers)
+        hooked = want and self._layers is not None
+        with capturing(self._layers, self.feature_layers) if hooked else _nothing() as store:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=attn_mask.long(),
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+                output_hidden_states=want and not hooked,
+                **({"logits_to_keep": (counts - 1).clamp(min=0).view(-1, 1)} if last_logits_only else {}),
+            )
         self.cache = out.cache
         self.valid = mask
         self.lengths = self.lengths + counts
         feats = None
-        if features and self.feature_layers:
-            hs = out.hidden_states
-            feats = torch.cat([hs[i + 1] for i in self.feature_layers], dim=-1).float()
+        if want:
+            parts = [store[i] for i in self.feature_layers] if hooked else \
+                [out.hidden_states[i + 1] for i in self.feature_layers]
+            feats = torch.cat(parts, dim=-1).float()
         return ForwardOutput(logits=out.logits.float(), features=feats)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dspark.target import CausalLM, check_feature_layers
+from dspark.target import CausalLM, check_feature_layers, decoder_layers
 from tests.conftest import tiny_llama, tiny_qwen3
 
 
@@ -77,6 +77,41 @@ def test_features_refuse_final_layer():
 
 def test_features_are_the_selected_hidden_states():
     model = tiny_qwen3(layers=4)
+    lm = CausalLM(model, feature_layers=[-1, 1])
+    lm.reset(1)
+    out = lm.forward([[1, 2, 3]], features=True)
+    with torch.no_grad():
+        hs = model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.features[0], torch.cat([hs[0][0], hs[2][0]], -1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama])
+def test_feature_passes_leave_no_hooks_behind(build):
+    """Features come from hooks that live for their pass only: later passes (plain decoding) run hook-free,
+    and HF never installs its capturing hooks on every layer, which stay for good once installed."""
+    model = build(layers=4)
+    assert decoder_layers(model) is not None
+    lm = CausalLM(model, feature_layers=[-1, 0, 2])
+    lm.reset(2)
+    first = lm.forward([[1, 2, 3], [4, 5]], features=True)
+    second = lm.forward([[6], [7]], features=True)
+    lm.forward([[8], [9]])
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not getattr(model, "_output_capturing_hooks_installed", False)
+    with torch.no_grad():
+        hs = model(input_ids=torch.tensor([[1, 2, 3, 6]]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[0][0], hs[1][0], hs[3][0]], -1)
+    torch.testing.assert_close(first.features[0], want[:3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second.features[0, 0], want[3], atol=1e-5, rtol=1e-5)
+
+
+def test_features_of_a_model_without_decoder_layers_come_from_hidden_states():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=100, n_positions=128,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    assert decoder_layers(model) is None  # GPT-2 keeps its blocks in transformer.h
     lm = CausalLM(model, feature_layers=[-1, 1])
     lm.reset(1)
     out = lm.forward([[1, 2, 3]], features=True)
