@@ -75,8 +75,19 @@ def test_features_refuse_final_layer():
         check_feature_layers([2, 1], 4)
 
 
-def test_features_are_the_selected_hidden_states():
-    model = tiny_qwen3(layers=4)
+def tiny_gpt2(layers: int = 4):
+    """GPT-2 keeps its blocks in transformer.h, not get_decoder().layers: features come from hidden_states."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=100, n_positions=128,
+                                      bos_token_id=0, eos_token_id=0)).eval()
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_gpt2])
+def test_features_are_the_selected_hidden_states(build):
+    model = build(layers=4)
+    assert (decoder_layers(model) is None) == (build is tiny_gpt2)
     lm = CausalLM(model, feature_layers=[-1, 1])
     lm.reset(1)
     out = lm.forward([[1, 2, 3]], features=True)
@@ -103,21 +114,6 @@ def test_feature_passes_leave_no_hooks_behind(build):
     want = torch.cat([hs[0][0], hs[1][0], hs[3][0]], -1)
     torch.testing.assert_close(first.features[0], want[:3], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(second.features[0, 0], want[3], atol=1e-5, rtol=1e-5)
-
-
-def test_features_of_a_model_without_decoder_layers_come_from_hidden_states():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=100, n_positions=128,
-                                       bos_token_id=0, eos_token_id=0)).eval()
-    assert decoder_layers(model) is None  # GPT-2 keeps its blocks in transformer.h
-    lm = CausalLM(model, feature_layers=[-1, 1])
-    lm.reset(1)
-    out = lm.forward([[1, 2, 3]], features=True)
-    with torch.no_grad():
-        hs = model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True).hidden_states
-    torch.testing.assert_close(out.features[0], torch.cat([hs[0][0], hs[2][0]], -1), atol=1e-5, rtol=1e-5)
 
 
 def test_rollback_drops_trailing_slots():
