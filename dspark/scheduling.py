@@ -621,9 +621,13 @@ class Scheduler:
         self._skip -= 1
         self.skipped_steps += 1
         if self._skip == self.wake_lead and self._probe_skippable(num_rows):
-            self._since_probe += self._backoff
-            self._skip += self._backoff
-            self._backoff = min(self.max_backoff, self._backoff * 4)
+            self._extend_backoff()
+
+    def _extend_backoff(self) -> None:
+        """Skip the probe that ends the current back-off: add a back-off of its length, the next one 4x longer."""
+        self._since_probe += self._backoff
+        self._skip += self._backoff
+        self._backoff = min(self.max_backoff, self._backoff * 4)
 
     def _probe_skippable(self, num_rows: int) -> bool:
         """Whether the probe that ends the current back-off would be skipped: the typical survival row still
@@ -641,9 +645,8 @@ class Scheduler:
         if self._probe_skippable(num_rows):
             # the last drafted step's survivals still say drafting cannot pay at this batch size under the
             # current (online-corrected) costs: keep skipping without paying for a probe
-            self._since_probe += self._backoff
-            self._skip = self._backoff - 1
-            self._backoff = min(self.max_backoff, self._backoff * 4)
+            self._extend_backoff()
+            self._skip -= 1  # this step is the back-off's first
             self.skipped_steps += 1
             return False
         cost = self._last_cost

@@ -10,7 +10,7 @@ always in token order, so attention sees exactly the row's accepted text.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -92,11 +92,6 @@ def capturing(layers: torch.nn.ModuleList, ids: Sequence[int]) -> Iterator[dict[
     finally:
         for handle in handles:
             handle.remove()
-
-
-@contextmanager
-def _nothing() -> Iterator[dict[int, torch.Tensor]]:
-    yield {}
 
 
 class CausalLM:
@@ -330,7 +325,7 @@ class CausalLM:
             self.cache = new_cache(self.model.config)
         want = features and bool(self.feature_layers)
         hooked = want and self._layers is not None
-        with capturing(self._layers, self.feature_layers) if hooked else _nothing() as store:
+        with capturing(self._layers, self.feature_layers) if hooked else nullcontext({}) as store:
             out = self.model(
                 input_ids=ids,
                 attention_mask=attn_mask.long(),
