@@ -58,6 +58,7 @@ def window_figures(steps: list[dict], t0: float, t1: float, table) -> dict:
         "rest_ms": 1e3 * mean([s["step_seconds"] - s["seconds"] - s["prefill_seconds"] for s in body]),
         "gap_ms": 1e3 * mean([p - s["step_seconds"] for s, p in zip(body, periods)]),
         "draft_ms": 1e3 * mean([s["draft_seconds"] for s in body]),
+        "schedule_ms": 1e3 * mean([s.get("schedule_seconds", 0.0) for s in body]),
         "target_ms": 1e3 * mean([s["target_seconds"] for s in body]),
         "join_ms": 1e3 * mean([s.get("join_seconds", 0.0) for s in body]),
         "kv_slots": mean([s.get("kv_slots", 0) for s in body]),
@@ -120,6 +121,7 @@ def report(results: dict) -> str:
             ("batch", "rows", "{:5.1f}"), ("verified", "verif", "{:5.1f}"), ("accepted", "acc", "{:5.1f}"),
             ("period_ms", "period", "{:6.1f}"), ("round_ms", "round", "{:6.1f}"), ("prefill_ms", "prefill", "{:6.1f}"),
             ("rest_ms", "rest", "{:5.1f}"), ("gap_ms", "gap", "{:5.1f}"),
+            ("draft_ms", "draft", "{:5.1f}"), ("schedule_ms", "sched", "{:5.2f}"), ("target_ms", "target", "{:5.1f}"),
             ("drafted_over_table", "d/table", "{:6.2f}"), ("plain_over_table", "p/table", "{:6.2f}"),
             ("join_ms", "join", "{:5.2f}"), ("kv_slots", "slots", "{:6.0f}"), ("kv_live_per_row", "live/row", "{:6.0f}"),
             ("kv_fill", "fill", "{:5.2f}")]
@@ -143,6 +145,10 @@ def span_fit(results: dict) -> list[str]:
     for conc in sorted({c["concurrency"] for c in results["cells"]}):
         cells = [c for c in results["cells"] if c["concurrency"] == conc and "window" in c]
         rows = []
+        missing = [c["arm"] for c in cells if not Path(c["step_log"]).exists()]
+        if missing:  # step logs live beside the run (or in /tmp); the JSON alone keeps the table, not this fit
+            lines.append(f"c={conc}: no span fit (step logs not found for {', '.join(missing)})")
+            continue
         for c in cells:
             t0, t1 = c["window"]
             steps = [s for s in read_step_log(c["step_log"]) if t0 <= s["started"] <= t1 and "kv_slots" in s]
@@ -164,7 +170,7 @@ def span_fit(results: dict) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", required=True)
+    ap.add_argument("--profile", help="step-cost profile (required unless --report)")
     ap.add_argument("--arms", nargs="+", default=["none", "fixed:7", "dspark"])
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[16, 32])
@@ -175,12 +181,20 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--port", type=int, default=8190)
     ap.add_argument("--out", default="benchmarks/results/serving/served_steps")
-    ap.add_argument("--report", action="store_true", help="only print the table of DIR/served_steps.json")
+    ap.add_argument("--report", nargs="?", const="", metavar="JSON",
+                    help="only print the table of a results file (default DIR/served_steps.json) and write it "
+                         "beside it as .txt")
     args = ap.parse_args()
-    results = json.loads((Path(args.out) / "served_steps.json").read_text()) if args.report else run(args)
+    if args.report is None and not args.profile:
+        ap.error("the following arguments are required: --profile (unless --report)")
+    if args.report is not None:
+        src = Path(args.report) if args.report else Path(args.out) / "served_steps.json"
+        results, dest = json.loads(src.read_text()), src.with_suffix(".txt")
+    else:
+        results, dest = run(args), Path(args.out) / "served_steps.txt"
     text = report(results)
     print(text)
-    (Path(args.out) / "served_steps.txt").write_text(text + "\n")
+    dest.write_text(text + "\n")
     return 0
 
 
