@@ -118,3 +118,14 @@ def test_drafter_sleep_can_be_switched_off(bundled_target, prompts) -> None:
                     EngineConfig(online_cost=False, drafter_sleep=False), eos_token_ids=NO_EOS)
     engine.run([Request(p, max_tokens=120) for p in prompts[:4]])
     assert engine.drafter_sleeps == 0 and engine.scheduler.skipped_steps > 80
+
+
+def test_serve_switches_drafter_sleep_with_its_flag() -> None:
+    from dspark.cli import build_parser
+    from dspark.serving.cli import engine_config
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).drafter_sleep is True
+    assert engine_config(parse(["serve", "--no-drafter-sleep"])).drafter_sleep is False
+    config = engine_config(parse(["serve", "--rate-guard", "--no-online-cost", "--max-running", "8"]))
+    assert (config.rate_guard, config.online_cost, config.max_running, config.drafter_sleep) == (True, False, 8, True)

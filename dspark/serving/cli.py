@@ -8,9 +8,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from dspark.engine import EngineConfig
 
 
 class GracefulServer(uvicorn.Server):
@@ -55,6 +59,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
                    help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
                         "says plain decoding is faster (default: off; the cost model decides)")
+    s.add_argument("--drafter-sleep", action=argparse.BooleanOptionalAction, default=True,
+                   help="adaptive schedulers: let a drafter that reads target features drop its per-request state "
+                        "during long back-offs (default: on)")
     s.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine step (batch, tokens, timings, the cost model's prediction)")
     s.add_argument("--served-model-name", default=None,
@@ -63,6 +70,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds running requests may take to finish after SIGTERM before they are cancelled")
     s.set_defaults(func=cmd_serve)
     return s
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's settings from `dspark serve`'s arguments."""
+    from dspark.engine import EngineConfig
+
+    return EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
+                        online_cost=not args.no_online_cost, kv_budget_tokens=args.kv_budget_tokens,
+                        rate_guard=args.rate_guard, drafter_sleep=args.drafter_sleep)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -95,9 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from dspark.calibration.online import OnlineCalibrator
 
         calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=gamma)
-    config = EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting,
-                          prefill_chunk=args.prefill_chunk, online_cost=not args.no_online_cost,
-                          kv_budget_tokens=args.kv_budget_tokens, rate_guard=args.rate_guard)
+    config = engine_config(args)
     metrics = ServerMetrics()
     engine = Engine(target, drafter, scheduler, cost, config, calibrator, on_step=chain(metrics.observe_step, step_log))
     metrics.watch(engine)
