@@ -80,8 +80,9 @@ def test_the_drafter_sleeps_at_a_load_where_drafting_never_pays_and_stays_lossle
     the requests running then verify no drafts for the rest of their lives, and when the load drops the
     drafter wakes: a request joining later drafts and is accepted. Every output equals target-only decoding."""
     drafter = dspark.load_drafter("dspark", bundled_target)
+    infos = []
     engine = Engine(bundled_target, drafter, "dspark", pays_only_below(4), EngineConfig(online_cost=False),
-                    eos_token_ids=NO_EOS)
+                    eos_token_ids=NO_EOS, on_step=infos.append)
     lengths = [150, 150, 150, 260]
     early = [Request(p, max_tokens=n) for p, n in zip(prompts[:4], lengths)]
     late = Request(prompts[4], max_tokens=60)
@@ -106,6 +107,12 @@ def test_the_drafter_sleeps_at_a_load_where_drafting_never_pays_and_stays_lossle
                     all(t.draft_len == 0 for t in early[3].rounds[i:]))
     assert slept_at < len(early[3].rounds) - 100  # blind for the rest of its life once the drafter slept
     assert any(s.draft_len > 0 and s.accepted > 0 for s in late.rounds)  # joined after the wake: drafted
+    # the step log's view: no blind row before the first sleep; asleep rounds with every row blind; after the
+    # wake a round where the late request drafts beside the blind survivor
+    first = next(i for i, info in enumerate(infos) if info.asleep)
+    assert all(info.blind == 0 for info in infos[:first])
+    assert any(info.asleep and info.blind == info.batch for info in infos)
+    assert any(not info.asleep and 0 < info.blind < info.batch and info.drafted for info in infos[first:])
     for r in [*early, late]:
         reference = decode(bundled_target, NoDrafter(), [r.prompt_ids], max_new_tokens=r.max_tokens,
                            eos_token_ids=NO_EOS)[0].token_ids

@@ -75,6 +75,8 @@ class StepInfo:
     drafts and the rows' differing lengths included); kv_live: the tokens the rows hold (their lengths summed);
     join_seconds: the part of prefill_seconds spent moving finished prefills into the batch (target cache and
     drafter state). prefill_slots: the prefill pass's prefilling rows × its width (prefill_tokens plus padding).
+    asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
+    context (admitted or running while it slept), which verify no drafts.
     """
 
     batch: int
@@ -97,6 +99,8 @@ class StepInfo:
     kv_live: int = 0
     join_seconds: float = 0.0
     prefill_slots: int = 0
+    asleep: bool = False
+    blind: int = 0
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -675,7 +679,7 @@ class Engine:
         return StepInfo(len(rows), tokens, drafted, seconds, lens, theta, capacity, list(res.accepted),
                         draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
                         target_seconds=target_seconds, predicted_seconds=predicted, kv_slots=kv_slots,
-                        kv_live=kv_live)
+                        kv_live=kv_live, asleep=self._asleep, blind=sum(req.seq in self._blind for req in rows))
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         return (req.stop_token_ids or frozenset()) | (frozenset() if req.ignore_eos else self.eos)
