@@ -679,7 +679,8 @@ class Engine:
         return StepInfo(len(rows), tokens, drafted, seconds, lens, theta, capacity, list(res.accepted),
                         draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
                         target_seconds=target_seconds, predicted_seconds=predicted, kv_slots=kv_slots,
-                        kv_live=kv_live, asleep=self._asleep, blind=sum(req.seq in self._blind for req in rows))
+                        kv_live=kv_live, asleep=self._asleep,
+                        blind=sum(req.seq in self._blind for req in rows) if self._blind else 0)
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         return (req.stop_token_ids or frozenset()) | (frozenset() if req.ignore_eos else self.eos)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -85,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT; return 0 after a graceful shutdown."""
     from dspark.api import load_drafter, load_target, step_cost_model
     from dspark.drafters.base import drafter_gamma
-    from dspark.engine import Engine, EngineConfig
+    from dspark.engine import Engine
     from dspark.engine.steplog import StepLog, chain
     from dspark.scheduling import Scheduler
     from dspark.serving.app import create_app
