@@ -129,12 +129,26 @@ class CostModel:
         if not self._cells:
             return base * self._scale(None, "d") + self.overhead.fixed(batch)
         b, factor = self._row_for(batch)
-        ns, secs = self._rows[b]
-        scale = np.array([self._scale(("d", b, i), "d") for i in range(len(ns) + 1)])
+        ns, _ = self._rows[b]
+        scale, corrected = self._row_scales(b)
         out = base * scale[idx]
         inside = idx < len(ns)
-        out[inside] = _envelope(secs * scale[:-1])[idx[inside]] * factor  # corrected cells stay monotone too
+        out[inside] = corrected[idx[inside]] * factor  # corrected cells stay monotone too
         return out + self.overhead.fixed(batch)
+
+    def _row_scales(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(correction factor of each cell of drafted row `b` and past it [len + 1], the row's corrected
+        seconds made monotone [len]); cached until the next measurement changes the corrections."""
+        key = (b, self._count)
+        cache = self.__dict__.setdefault("_scale_cache", {})
+        hit = cache.get(key)
+        if hit is None:
+            ns, secs = self._rows[b]
+            scale = np.array([self._scale(("d", b, i), "d") for i in range(len(ns) + 1)])
+            if len(cache) > 64:  # entries of earlier measurement counts are never read again
+                cache.clear()
+            hit = cache[key] = (scale, _envelope(secs * scale[:-1]))
+        return hit
 
     def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """The largest query-token count that costs the same as each entry of `tokens` (its profiled cell's
@@ -388,7 +402,8 @@ def _plateau_room(lim: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, cost
     # padded: every row may grow to the widest width whose step costs the same
     widths = np.arange(int(lim.max(initial=0)) + 1)
     width_cost = cost.cost_many(num, num * (1 + widths))
-    room_at_width = np.array([np.minimum(lim, widths[width_cost == c].max()).sum() for c in width_cost])
+    widest = np.where(width_cost[:, None] == width_cost[None, :], widths[None, :], -1).max(1)  # same cost
+    room_at_width = np.minimum(lim[None, :], widest[:, None]).sum(1)
     return room_at_width[tokens // num - 1]
 
 

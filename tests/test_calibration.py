@@ -568,3 +568,41 @@ def test_calibrating_without_greedy_peaks_gives_greedy_rows_a_prior(tmp_path) ->
 
     run = fit_and_score(records, joint_records(seed=5), 0.0, greedy_peaks=False)
     assert not run.fitted.reads_q and len(set(run.fitted.base.prior)) > 1  # one prior per position
+
+
+def test_binned_map_reads_each_position_bin_and_keeps_the_running_minimum() -> None:
+    """BinnedMap's vectorised lookup equals its definition: a_k = min(a_{k−1}, v_k[bin_k(â_k)]), bins closed on
+    the right edge's left (x equal to an edge goes up), rows of unequal edge counts, positions past the fitted
+    ones reading the last row, float32 and float64 alike, and the tables cached across calls."""
+    base = HeadTemperatureMap([1.0, 0.8, 1.3])
+    edges = [[0.2, 0.5, 0.8], [0.5], [0.3, 0.6]]
+    values = [[0.1, 0.4, 0.7, 0.95], [0.3, 0.9], [0.2, 0.5, 0.85]]
+    binned = BinnedMap(base, edges, values)
+    gen = torch.Generator().manual_seed(3)
+    for dtype, gamma in itertools.product((torch.float32, torch.float64), (1, 3, 5)):
+        signals = torch.full((64, gamma, 3), float("nan"), dtype=dtype)
+        signals[..., 0] = torch.randn(64, gamma, generator=gen, dtype=dtype) * 3
+        signals[0, 0, 0] = 0.0  # â_1 = sigmoid(0) = 0.5: exactly on an edge of position 1
+        got = binned.cumulative(signals)
+        hat = torch.cumprod(base.conditional(signals), dim=1)
+        want = torch.empty_like(hat)
+        for r in range(64):
+            prev = 1.0
+            for k in range(gamma):
+                j = min(k, len(values) - 1)
+                x = float(hat[r, k])
+                prev = min(prev, values[j][sum(x >= e for e in edges[j])])
+                want[r, k] = prev
+        assert got.dtype == dtype and torch.equal(got, want), (dtype, gamma)
+        assert float(got[0, 0]) == pytest.approx(0.7)  # on the edge 0.5: the bin above it
+    assert binned.cumulative(torch.zeros(2, 0, 3)).shape == (2, 0)
+    assert set(binned._table_cache) == {(g, d, torch.device("cpu")) for g in (1, 3, 5)
+                                        for d in (torch.float32, torch.float64)}
+
+
+def test_calibration_reads_q_when_any_map_does() -> None:
+    head = HeadTemperatureMap([1.0, 1.0])
+    logistic = LogisticMap([0.5, 0.5], [[0.0, 1.0, 0.0]] * 2)
+    assert not Calibration({0.0: head, 1.0: BinnedMap(head, [[0.5], []], [[0.3, 0.8], [0.6]])}).reads_q
+    assert Calibration({0.0: head, 1.0: logistic}).reads_q  # a sampled map that reads q
+    assert Calibration({0.0: head}, workload_maps={"code": {1.0: BinnedMap(logistic, [[]], [[0.5]])}}).reads_q

@@ -333,3 +333,63 @@ def test_decode_feeds_the_online_calibrator_and_uses_it(qwen3_target):
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
     rounds = sum(1 for r in out for s in r.rounds if s.draft_len > 0)
     assert rounds > 0 and online.counts["observed"] == rounds and not online.rejected
+    # a step observes its rows' rounds in one deferred block: at refit_every 1 a stream refits once per
+    # drafted step, not once per round
+    every = OnlineCalibrator(ConstantMap([0.9] * 4), 4, refit_every=1, min_rounds=5)
+    out = decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 40, scheduler="threshold:0.5",
+                 online_calibration=every)
+    steps = max(sum(1 for s in r.rounds if s.draft_len > 0) for r in out)
+    rounds = sum(1 for r in out for s in r.rounds if s.draft_len > 0)
+    refits = every.parameters()["greedy"]["refits"]
+    assert rounds > steps and steps <= refits < rounds
+
+
+def test_refits_start_from_the_last_optimum_and_reach_the_same_fit() -> None:
+    """A refit's Newton steps start where the last refit's ended: the window moved by `refit_every` rounds,
+    so two steps reach the optimum that a cold start needs many for (the minimum is unique: the served
+    parameters are those of a full fit)."""
+    import copy
+
+    data = stream(900, seed=21)
+    cal = make(refit_every=25, newton_steps=2)
+    checked = 0
+    for i in range(len(data)):
+        cal.observe(data.signals[i], int(data.available[i]), int(data.accepted[i]), True)
+        if (i + 1) % 150 == 0:
+            s = cal._streams[("default", "greedy")]
+            assert s.optimum is not None
+            hot, cold, short = (copy.deepcopy(s) for _ in range(3))
+            cold.optimum = short.optimum = None
+            cal._refit(hot), cal._refit(short)  # two Newton steps each
+            cal.newton_steps = 50
+            cal._refit(cold)
+            cal.newton_steps = 2
+            assert torch.allclose(hot.alpha, cold.alpha, atol=1e-6) and torch.allclose(hot.beta, cold.beta, atol=1e-6)
+            # a cold start given the same two steps stops short of the optimum
+            assert not torch.allclose(short.optimum[2], cold.optimum[2], atol=1e-6)
+            checked += 1
+    assert checked == 6
+
+
+def test_deferred_refits_refit_each_stream_once_when_the_block_ends() -> None:
+    """Inside `deferred_refits` (a decoding step's rows) rounds are stored but streams refit only when the
+    block ends, once each, whatever number of `refit_every` they crossed; survival inside still serves the
+    parameters of before. Outside, refits come every `refit_every` rounds as before."""
+    data = stream(200, seed=23)
+    deferred, direct = make(refit_every=10), make(refit_every=10)
+    feed(deferred, data.subset(torch.arange(200) < 60))
+    feed(direct, data.subset(torch.arange(200) < 60))
+    s = deferred._streams[("default", "greedy")]
+    assert s.refits == 6 and direct._streams[("default", "greedy")].refits == 6
+    before = serve(deferred, TEST.subset(torch.arange(len(TEST)) < 16))
+    with deferred.deferred_refits():
+        with deferred.deferred_refits():  # nested: the outer block's end refits
+            for i in range(60, 85):
+                deferred.observe(data.signals[i], int(data.available[i]), int(data.accepted[i]), True)
+        assert s.refits == 6 and s.since_refit == 25
+        assert torch.equal(serve(deferred, TEST.subset(torch.arange(len(TEST)) < 16)), before)
+    assert s.refits == 7 and s.since_refit == 0  # one refit for 25 rounds, not two
+    for i in range(60, 85):
+        direct.observe(data.signals[i], int(data.available[i]), int(data.accepted[i]), True)
+    assert direct._streams[("default", "greedy")].refits == 8
+    assert not torch.equal(serve(deferred, TEST.subset(torch.arange(len(TEST)) < 16)), before)

@@ -115,3 +115,34 @@ def test_peaks_are_computed_only_when_recorded_or_read(bundled_target) -> None:
     drafter.calibration = reading
     decode(bundled_target, drafter, [ids], [greedy], 4)
     assert drafter.report_peaks is True
+
+
+def test_sampled_rows_q_signals_are_computed_only_when_a_map_reads_them(bundled_target) -> None:
+    """A sampled row's max q and entropy read the whole vocabulary at every draft: the engine computes them
+    only where the survival maps (the online calibrator's prior) read them or signals are recorded."""
+    from dspark.calibration.online import OnlineCalibrator
+    from dspark.engine import Engine, EngineConfig, Request
+
+    class Recording(OnlineCalibrator):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            self.signals: list[torch.Tensor] = []
+
+        def observe(self, signals, *a, **k) -> bool:
+            self.signals.append(signals.clone())
+            return super().observe(signals, *a, **k)
+
+    drafter = dspark.load_drafter("dspark", bundled_target, gamma=3)
+    ids = encode_prompt(bundled_target, "Write a poem about the sea.")
+    reading = Calibration({0.0: ConstantMap([0.7] * 3),
+                           1.0: LogisticMap([0.5] * 3, [[0.0, 1.0, 0.1]] * 3)})
+    assert drafter.calibration.reads_q is False and reading.reads_q
+    for prior, computed in ((drafter.calibration, False), (reading, True)):
+        online = Recording(prior, 3)
+        engine = Engine(bundled_target, drafter, "threshold:0.3", None, EngineConfig(), online)
+        engine.run([Request(ids, SamplingParams(temperature=1.0, seed=1), max_tokens=12)])
+        assert online.signals
+        for s in online.signals:
+            assert bool(torch.isfinite(s[:, 0]).all())  # the head logit is always there
+            assert bool(torch.isfinite(s[:, MAX_Q:]).all()) == computed
+            assert bool(torch.isnan(s[:, MAX_Q:]).all()) != computed

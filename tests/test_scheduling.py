@@ -568,3 +568,30 @@ def test_dspark_looks_past_a_one_off_jump_to_a_cheap_cell(layout):
     # the look-ahead bounds later survivals by the current one: when they fall fast, it stops at the cliff
     steep = np.array([[0.93, 0.05, 0.01, 0.0, 0.0, 0.0, 0.0], [0.93, 0.04, 0.01, 0.0, 0.0, 0.0, 0.0]])
     assert prefix_schedule(steep, [7, 7], cost)[0].tolist() == [1, 1]
+
+
+def test_corrected_costs_are_cached_only_until_the_next_measurement():
+    """cost_many reuses a row's corrected cells between measurements and sees every new one: a model queried
+    before and after each measurement agrees with a fresh model fed the same measurements (never queried)."""
+    def model():
+        return CostModel({4: [(n, 1.0 + 0.05 * n) for n in range(4, 33, 4)], 8: [(n, 2.0 + 0.04 * n)
+                                                                                 for n in range(8, 65, 8)]},
+                         {4: 1.0, 8: 1.8}, "padded")
+
+    queried = model()
+    tokens = np.arange(4, 33, 4)
+    rng = np.random.default_rng(5)
+    measured, seen = [], []
+    for step in range(30):
+        batch, n = (4, int(rng.choice(tokens))) if step % 3 else (8, int(rng.choice(2 * tokens)))
+        seconds = float(queried._base_many(batch, np.array([n]))[0][0]) * rng.uniform(0.5, 3.0)
+        seen.append(queried.cost_many(4, tokens).copy())
+        queried.cost_many(8, 2 * tokens)
+        queried.observe(batch, n, seconds, drafted=True)
+        measured.append((batch, n, seconds))
+        fresh = model()
+        for b, m, sec in measured:
+            fresh.observe(b, m, sec, drafted=True)
+        assert np.array_equal(queried.cost_many(4, tokens), fresh.cost_many(4, tokens))
+        assert np.array_equal(queried.cost_many(8, 2 * tokens), fresh.cost_many(8, 2 * tokens))
+    assert any(not np.array_equal(a, b) for a, b in zip(seen, seen[1:]))  # the measurements moved the costs

@@ -8,6 +8,7 @@ the JSON file of a fitted calibration.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from abc import ABC, abstractmethod
@@ -346,19 +347,35 @@ class BinnedMap(SurvivalMap):
         return {"base": self.base.to_dict(), "edges": [list(e) for e in self.edges],
                 "values": [list(v) for v in self.values]}
 
+    def _tables(self, gamma: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(edges [γ, E] padded with +inf, edge counts [γ], flat bin values with row offsets [γ]) for γ positions
+        (positions past the fitted ones use the last), cached per γ, dtype and device: built once, not per step."""
+        key = (gamma, like.dtype, like.device)
+        cache = self.__dict__.setdefault("_table_cache", {})
+        hit = cache.get(key)
+        if hit is None:
+            rows = [min(k, len(self.values) - 1) for k in range(gamma)]
+            width = max(1, max(len(self.edges[j]) for j in rows))
+            edges = torch.full((gamma, width), math.inf, dtype=like.dtype)
+            for k, j in enumerate(rows):
+                edges[k, : len(self.edges[j])] = torch.tensor(self.edges[j], dtype=like.dtype)
+            counts = torch.tensor([len(self.edges[j]) for j in rows])
+            flat = torch.tensor([v for j in rows for v in self.values[j]], dtype=like.dtype)
+            offsets = torch.tensor([0, *itertools.accumulate(len(self.values[j]) for j in rows[:-1])])
+            hit = cache[key] = (edges.to(like.device), counts.to(like.device), flat.to(like.device),
+                                offsets.to(like.device))
+        return hit
+
     def cumulative(self, signals: torch.Tensor) -> torch.Tensor:
         """a_k [n, γ] before masking by the available drafts."""
         base = torch.cumprod(self.base.conditional(signals), dim=1)
-        out = torch.empty_like(base)
-        prev = torch.ones(base.shape[0], dtype=base.dtype, device=base.device)
-        for k in range(base.shape[1]):
-            j = min(k, len(self.values) - 1)
-            edges = torch.tensor(self.edges[j], dtype=base.dtype, device=base.device)
-            values = torch.tensor(self.values[j], dtype=base.dtype, device=base.device)
-            a = values[torch.bucketize(base[:, k].contiguous(), edges, right=True)]
-            prev = torch.minimum(prev, a)
-            out[:, k] = prev
-        return out
+        if base.shape[1] == 0:
+            return base
+        edges, counts, flat, offsets = self._tables(base.shape[1], base)
+        # the bin of x among increasing edges (right-closed, as bucketize(right=True)); NaN in the top bin
+        bins = (base.unsqueeze(-1) >= edges).sum(-1)
+        bins = torch.where(torch.isnan(base), counts, bins)
+        return torch.cummin(flat[offsets + bins], dim=1).values.clamp_(max=1.0)
 
     def conditional(self, signals: torch.Tensor) -> torch.Tensor:
         _check_signals(signals)
@@ -479,6 +496,12 @@ class Calibration:
     def workloads(self) -> list[str]:
         """Workload labels with maps of their own."""
         return list(self.workload_maps)
+
+    @property
+    def reads_q(self) -> bool:
+        """Whether any map (any temperature, pooled or a workload's) reads the drafting distribution's shape."""
+        return any(m.reads_q for m in [*self.maps.values(), *(m for w in self.workload_maps.values()
+                                                                 for m in w.values())])
 
     @property
     def greedy_reads_q(self) -> bool:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ _ALPHA_BOUNDS = (0.05, 20.0)
 _BETA_BOUNDS = (-10.0, 10.0)
 _MIN_WEIGHT = 1e-3  # with decay and no window, rounds older than this weight leave the buffer
 _MAX_LABEL = 256  # longest workload label accepted
+_FULL_STEP = 0.5  # a Newton step moving no logit by more than this is taken without a line search
 
 
 def _logit(c: torch.Tensor) -> torch.Tensor:
@@ -109,6 +111,8 @@ class _Stream:
     effective_rounds: float = 0.0              # Σ capped window weights at the last refit
     trusted: bool = False                      # effective_rounds ≥ min_rounds at the last refit
     last_change: float = 0.0                   # max |Δparam| of the last refit
+    optimum: tuple[torch.Tensor, ...] | None = None  # the last refit's unbounded fits (shared α, β; α, β):
+    #                                                  where the next refit's Newton steps start
 
     def __post_init__(self) -> None:
         c, g = self.capacity, self.gamma
@@ -213,6 +217,7 @@ class OnlineCalibrator:
         self._served: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, str]] = {}
         self._maps: dict[tuple[float, str], tuple[SurvivalMap, bool]] = {}
         self._lock = threading.RLock()
+        self._deferring = 0  # open deferred_refits blocks
 
     # ------------------------------------------------------------------ workloads and parameters
 
@@ -371,9 +376,29 @@ class OnlineCalibrator:
             request = int(request_id) & 0x7FFF_FFFF_FFFF_FFFF  # non-negative, apart from anonymous ids
         stream.insert(signals, available, accepted, request, temperature)
         self._counts["observed"] += 1
-        if stream.since_refit >= self.refit_every:
+        if stream.since_refit >= self.refit_every and not self._deferring:
             self._refit(stream)
             self._served.clear()
+
+    @contextmanager
+    def deferred_refits(self) -> Iterator[None]:
+        """Rounds observed inside the block refit their streams once, when it ends, rather than every
+        `refit_every` rounds within it: a decoding step observes all its rows' rounds in one such block, so
+        a stream refits at most once per step however many rows it has (at 32 rows and refit_every 25 it
+        would otherwise refit more than once in some steps, for no gain before the next step's survivals).
+        Blocks nest; survival asked inside one sees the parameters of before it."""
+        with self._lock:
+            self._deferring += 1
+            try:
+                yield
+            finally:
+                self._deferring -= 1
+                if not self._deferring:
+                    due = [s for s in self._streams.values() if s.since_refit >= self.refit_every]
+                    for stream in due:
+                        self._refit(stream)
+                    if due:
+                        self._served.clear()
 
     def observe_records(self, records: RoundRecords, workload: str | None = None,
                         request_ids: Sequence[int | None] | None = None, pooled: bool = True,
@@ -441,9 +466,12 @@ class OnlineCalibrator:
         """Per column p of x [n, P]: (α_p, β_p) minimising Σ_i wv·logloss(y, sigmoid(α x + β)) + Σ_c ½λ_c‖θ − c‖².
 
         Damped Newton from (a, b), every column at once (2×2 systems), halving a column's step while its
-        loss would rise. centers: (λ, α centre [P], β centre [P]) ridge terms.
+        loss would rise. A step that moves no column's logits α x + β by more than `_FULL_STEP` is taken
+        whole without that check (near the optimum, where refits that start from the last one are, the
+        loss is close to its quadratic model there). centers: (λ, α centre [P], β centre [P]) ridge terms.
         """
         lam = sum(c[0] for c in centers)
+        reach = x.abs().amax(0) if x.shape[0] else torch.zeros(x.shape[1], dtype=x.dtype)
 
         def loss(a_: torch.Tensor, b_: torch.Tensor) -> torch.Tensor:
             s = a_ * x + b_
@@ -452,30 +480,37 @@ class OnlineCalibrator:
                 out = out + 0.5 * weight * ((a_ - ca) ** 2 + (b_ - cb) ** 2)
             return out
 
-        current = loss(a, b)
+        current = None
         for _ in range(self.newton_steps):
             p = torch.sigmoid(a * x + b)
             r = wv * (p - y)
             g_a = (r * x).sum(0) + sum(weight * (a - ca) for weight, ca, _ in centers)
             g_b = r.sum(0) + sum(weight * (b - cb) for weight, _, cb in centers)
             h = wv * p * (1 - p)
-            h_aa = (h * x * x).sum(0) + lam
-            h_ab = (h * x).sum(0)
+            hx = h * x
+            h_aa = (hx * x).sum(0) + lam
+            h_ab = hx.sum(0)
             h_bb = h.sum(0) + lam
             det = h_aa * h_bb - h_ab * h_ab
             d_a = (h_bb * g_a - h_ab * g_b) / det
             d_b = (h_aa * g_b - h_ab * g_a) / det
-            step = torch.ones_like(a)
-            for _ in range(8):
-                trial = loss(a - step * d_a, b - step * d_b)
-                ok = trial <= current + 1e-9 * current.abs().clamp_min(1.0)
-                if bool(ok.all()):
-                    break
-                step = torch.where(ok, step, step / 2)
-            a = torch.where(ok, a - step * d_a, a)
-            b = torch.where(ok, b - step * d_b, b)
-            current = torch.where(ok, trial, current)
-            if float(torch.maximum((step * d_a).abs(), (step * d_b).abs()).max()) < 1e-7:
+            if float((d_a.abs() * reach + d_b.abs()).max()) <= _FULL_STEP:
+                a, b, current = a - d_a, b - d_b, None
+                step = torch.ones_like(a)
+            else:
+                current = loss(a, b) if current is None else current
+                step = torch.ones_like(a)
+                for _ in range(8):
+                    trial = loss(a - step * d_a, b - step * d_b)
+                    ok = trial <= current + 1e-9 * current.abs().clamp_min(1.0)
+                    if bool(ok.all()):
+                        break
+                    step = torch.where(ok, step, step / 2)
+                a = torch.where(ok, a - step * d_a, a)
+                b = torch.where(ok, b - step * d_b, b)
+                current = torch.where(ok, trial, current)
+                step = torch.where(ok, step, torch.zeros_like(step))
+            if float(torch.maximum((step * d_a).abs(), (step * d_b).abs()).max()) < 1e-6:  # quadratic: error ~1e-12
                 break
         return a, b
 
@@ -497,14 +532,21 @@ class OnlineCalibrator:
         x = z * valid
         one, zero = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         prior_center = (self.ridge, one, zero)
+        # Newton starts from the last refit's optimum: a window that moved by `refit_every` rounds moves the
+        # optimum little, so a few steps reach it (the minimum is unique: where it starts changes no result)
+        last = stream.optimum
+        shared_a = shared_b = None
         if self.position_ridge > 0:
-            shared_a, shared_b = self._newton(x.reshape(-1, 1), y.reshape(-1, 1), wv.reshape(-1, 1),
-                                              stream.alpha.mean().view(1), stream.beta.mean().view(1),
-                                              [prior_center])
+            start = (stream.alpha.mean().view(1), stream.beta.mean().view(1)) if last is None else last[:2]
+            keep = wv.reshape(-1) > 0  # entries of no weight add nothing to the loss
+            shared_a, shared_b = self._newton(x.reshape(-1, 1)[keep], y.reshape(-1, 1)[keep],
+                                              wv.reshape(-1, 1)[keep], *start, [prior_center])
             centers = [prior_center, (self.position_ridge, shared_a, shared_b)]
         else:
             centers = [prior_center]
-        a, b = self._newton(x, y, wv, stream.alpha.clone(), stream.beta.clone(), centers)
+        start = (stream.alpha.clone(), stream.beta.clone()) if last is None else last[2:]
+        a, b = self._newton(x, y, wv, *start, centers)
+        stream.optimum = (shared_a, shared_b, a, b)
         new_a = (stream.alpha + (a - stream.alpha).clamp(-self.max_step, self.max_step)).clamp(*_ALPHA_BOUNDS)
         new_b = (stream.beta + (b - stream.beta).clamp(-self.max_step, self.max_step)).clamp(*_BETA_BOUNDS)
         if not (bool(torch.isfinite(new_a).all()) and bool(torch.isfinite(new_b).all())):
@@ -552,21 +594,30 @@ class OnlineCalibrator:
             return self.prior.survival(signals, available, temps, rows_prior)
         avail = available.to("cpu")
         sig = fill_unavailable(signals, available)
-        c = torch.empty(signals.shape[:2], dtype=signals.dtype if signals.is_floating_point() else torch.float32,
-                        device=signals.device)
-        idx = torch.tensor(index, dtype=torch.long)
-        map_ids = {id(m): i for i, m in enumerate(maps)}
-        row_map = torch.tensor([map_ids[id(m)] for m in maps], dtype=torch.long)[idx]
-        for i in sorted(set(map_ids.values())):
-            members = torch.nonzero(row_map == i).view(-1).to(signals.device)
-            c[members] = maps[i].conditional(sig[members]).to(c.dtype)
-        alpha = _extend(torch.stack([a for a, _, _ in resolved]), gamma)[idx].to(signals.device)
-        beta = _extend(torch.stack([b for _, b, _ in resolved]), gamma)[idx].to(signals.device)
-        identity = torch.tensor([src == "prior" for *_, src in resolved])[idx].to(signals.device)
-        corrected = torch.sigmoid(alpha * _logit(c) + beta).clamp(_EPS, 1 - _EPS).to(c.dtype)
-        c = torch.where(identity.view(-1, 1), c, corrected)
+        if len(keys) == 1:  # every row shares one map and correction: no gathering
+            c = self._corrected(maps[0], resolved[0], sig, gamma)
+        else:
+            c = torch.empty(signals.shape[:2], dtype=signals.dtype if signals.is_floating_point() else torch.float32,
+                            device=signals.device)
+            for i in range(len(keys)):
+                members = torch.tensor([r for r, j in enumerate(index) if j == i], dtype=torch.long,
+                                       device=signals.device)
+                c[members] = self._corrected(maps[i], resolved[i], sig[members], gamma).to(c.dtype)
         k = torch.arange(1, gamma + 1, device=signals.device).view(1, -1)
         return torch.cumprod(c, dim=1).masked_fill_(k > avail.to(signals.device).view(-1, 1), 0.0)
+
+    @staticmethod
+    def _corrected(prior: SurvivalMap, resolved: tuple[torch.Tensor, torch.Tensor, str], signals: torch.Tensor,
+                   gamma: int) -> torch.Tensor:
+        """Conditional survival [n, γ] of rows sharing a prior map and a served (α, β, source)."""
+        c = prior.conditional(signals)
+        alpha, beta, source = resolved
+        if source == "prior":  # the identity: exactly the prior's
+            return c
+        c = c if c.is_floating_point() else c.float()
+        z = _logit(c)
+        corrected = torch.sigmoid(_extend(alpha, gamma).to(z.device) * z + _extend(beta, gamma).to(z.device))
+        return corrected.clamp(_EPS, 1 - _EPS).to(c.dtype)
 
     def _served_survival(self, workload: str | None, regime: str, z: torch.Tensor,
                                     available: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,12 @@ CONF_LOGIT, MAX_Q, ENTROPY = 0, 1, 2
 NUM_SIGNALS = 3
 
 
-def block_signals(block: DraftBlock, greedy: torch.Tensor | None = None) -> torch.Tensor:
+def block_signals(block: DraftBlock, greedy: torch.Tensor | None = None, q: bool = True) -> torch.Tensor:
     """Return float32 signals [R, γ, 3] of a block (NaN where a signal does not exist).
 
     greedy: bool [R] rows that decode greedily (their q is one-hot: channel 1 is their peak, channel 2 NaN).
+    q=False leaves the sampled rows' channels 1-2 NaN: their max and entropy read the whole vocabulary at
+    every position, a cost worth paying only where a map reads them (`reads_q`) or the signals are recorded.
     """
     num_rows, gamma = block.tokens.shape
     out = torch.full((num_rows, gamma, NUM_SIGNALS), float("nan"), dtype=torch.float32)
@@ -35,11 +37,11 @@ def block_signals(block: DraftBlock, greedy: torch.Tensor | None = None) -> torc
     if block.confidences is not None:
         c = block.confidences[:, :gamma].detach().float().cpu().clamp(1e-6, 1 - 1e-6)
         out[:, : c.shape[1], CONF_LOGIT] = torch.log(c) - torch.log1p(-c)
-    if block.probs is not None:
-        q = block.probs[:, :gamma].detach().float()
-        out[:, : q.shape[1], MAX_Q] = q.amax(-1).cpu()
-        ent = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)
-        out[:, : q.shape[1], ENTROPY] = ent.cpu()
+    if q and block.probs is not None:
+        probs = block.probs[:, :gamma].detach().float()
+        out[:, : probs.shape[1], MAX_Q] = probs.amax(-1).cpu()
+        ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+        out[:, : probs.shape[1], ENTROPY] = ent.cpu()
         if greedy is not None and bool(greedy.any()):
             out[greedy.cpu(), :, MAX_Q:] = float("nan")
     if block.peaks is not None:

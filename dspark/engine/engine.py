@@ -33,6 +33,7 @@ through this loop; the server calls the same `step` from its engine thread.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ from dspark.drafters.base import DraftBlock, Drafter, NoDrafter, RoundOutcome, d
 from dspark.engine.prefill import prefill_width
 from dspark.engine.rate_guard import RateGuard
 from dspark.engine.request import Request, RequestOutput, RoundStats
-from dspark.engine.survival import survival_for
+from dspark.engine.survival import reads_q, survival_for
 from dspark.engine.text import TextStream
 from dspark.sampling import BatchSampling, SamplingParams, make_generator
 from dspark.scheduling import CostModel, Scheduler, step_tokens
@@ -614,7 +615,9 @@ class Engine:
         if drafted and (self.config.record_signals or self.online_calibration is not None):
             from dspark.calibration.signals import block_signals
 
-            signals = block_signals(block, sampling.greedy)
+            q = self.config.record_signals or reads_q(getattr(self.drafter, "calibration", None),
+                                                      self.online_calibration)
+            signals = block_signals(block, sampling.greedy, q=q)
         if drafted and sched.kind not in ("fixed", "none"):
             survival = None
             if sched.needs_survival:
@@ -657,11 +660,13 @@ class Engine:
                 self.drafter.observe(RoundOutcome([res.tokens[r] for r in sighted], [res.accepted[r] for r in sighted],
                                                   feats))
         if self.online_calibration is not None and signals is not None:
-            for r, req in enumerate(rows):  # the verified prefix labels positions 1..ℓ (admission read signals only)
-                if lens[r] > 0:
-                    self.online_calibration.observe(signals[r, : lens[r]], lens[r], res.accepted[r], params[r].greedy,
-                                                    workload=req.workload, request_id=req.seq,
-                                                    temperature=params[r].temperature)
+            deferred = getattr(self.online_calibration, "deferred_refits", None)  # refit once per step at most
+            with deferred() if deferred is not None else contextlib.nullcontext():
+                for r, req in enumerate(rows):  # the verified prefix labels positions 1..ℓ (admission read signals)
+                    if lens[r] > 0:
+                        self.online_calibration.observe(signals[r, : lens[r]], lens[r], res.accepted[r],
+                                                        params[r].greedy, workload=req.workload, request_id=req.seq,
+                                                        temperature=params[r].temperature)
         seconds = time.perf_counter() - start
         tokens = step_tokens(lens, self.layout)
         predicted = None
