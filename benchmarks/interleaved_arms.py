@@ -1,0 +1,164 @@
+"""Scheduler arms side by side in one process: paired blocks of the same requests, so drift and content cancel.
+
+    python benchmarks/interleaved_arms.py --arms dspark fixed:7 [--concurrency 1] [--temperature 1]
+        [--blocks 16] [--block-requests 4] [--warmup 1] [--online-calibration] [--profile FILE] [--out FILE]
+
+Every arm gets its own engine (its own target and drafter instances, the same weights). A block is the next
+`--block-requests` × concurrency held-out prompts (the same prompts and seeds for every arm); each arm in
+turn serves the block's requests in a closed loop of `--concurrency` running requests (a finished one is
+replaced by the block's next) until all are done, and its wall time counts everything the steps do
+(prefills, joins, bookkeeping). The order of the arms reverses every block (A B, B A, ...). Every arm commits
+the same tokens in a block (`max_tokens` each, EOS ignored), so the paired ratio of two arms is the ratio of
+their times; the report gives each arm's tokens per second and its ratio to the first arm's with a 95%
+interval over blocks. On this 2-core machine cells of two separate runs swing by 5-20%; paired blocks seconds
+apart share the machine's state and the prompts' difficulty. A block's last requests run below the
+concurrency while it drains, the same for every arm. `--online-calibration` gives the adaptive arms the
+online calibrator `dspark serve` runs with (an arm's `+online` / `+offline` suffix overrides it,
+so one run can compare both); `--warmup` blocks run first and are not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model
+from dspark.drafters.base import drafter_gamma
+from dspark.engine import Engine, EngineConfig, Request
+from dspark.evaluation.bench import load_eval_prompts
+from dspark.sampling import SamplingParams
+from dspark.scheduling import CostModel, Scheduler
+
+# two-sided 95% Student t quantiles by degrees of freedom (beyond 30: the normal's)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 12: 2.18,
+        15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04}
+
+
+def t95(dof: int) -> float:
+    """The two-sided 95% Student t quantile for `dof` degrees of freedom (the nearest tabled one below)."""
+    if dof > 30:
+        return 1.96
+    return _T95[max(k for k in _T95 if k <= dof)]
+
+
+class Arm:
+    """One scheduler's engine, serving blocks of requests in a closed loop of `concurrency` running ones."""
+
+    def __init__(self, spec: str, drafter_name: str, concurrency: int, temperature: float, max_tokens: int,
+                 profile: str | None, online: bool, cost: CostModel | None = None) -> None:
+        """cost: the step-cost model of an arm that needs one (default: `profile`, as `dspark serve` loads it)."""
+        self.spec = spec
+        name, _, flag = spec.partition("+")
+        if flag not in ("", "online", "offline"):
+            raise ValueError(f"arm {spec!r}: the suffix must be +online or +offline (the calibration it runs)")
+        online = flag == "online" or (online and flag != "offline")
+        self.target = load_target()
+        drafter = load_drafter(drafter_name, self.target)
+        scheduler = Scheduler(name, drafter_gamma(drafter))
+        if not scheduler.never_drafts:
+            drafter.prepare()
+        if scheduler.needs_cost and cost is None:
+            cost = step_cost_model(self.target, drafter, concurrency, profile)
+        calibrator = None
+        if online and scheduler.adaptive and getattr(drafter, "calibration", None) is not None:
+            from dspark.calibration.online import OnlineCalibrator
+
+            calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter))
+        self.engine = Engine(self.target, drafter, scheduler, cost, EngineConfig(max_running=concurrency),
+                             calibrator)
+        self.concurrency, self.temperature, self.max_tokens = concurrency, temperature, max_tokens
+
+    def serve(self, block: list[tuple[list[int], int]]) -> tuple[int, float]:
+        """Serve a block of (prompt ids, seed) to completion; return (tokens committed, wall seconds)."""
+        pending = list(block)
+        tokens, running, start = 0, 0, time.perf_counter()
+
+        def issue() -> None:
+            nonlocal running
+            prompt, seed = pending.pop(0)
+            self.engine.add(Request(prompt, SamplingParams(temperature=self.temperature, seed=seed),
+                                    max_tokens=self.max_tokens, ignore_eos=True))
+            running += 1
+
+        while pending and running < self.concurrency:
+            issue()
+        while running:
+            for out in self.engine.step():
+                tokens += len(out.token_ids)
+                if out.finished:
+                    running -= 1
+                    if pending:
+                        issue()
+        return tokens, time.perf_counter() - start
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arms", nargs="+", default=["dspark", "fixed:7"],
+                    help="scheduler specs, ratios against the first; an adaptive arm's +online / +offline suffix "
+                         "overrides --online-calibration for it (e.g. dspark+offline)")
+    ap.add_argument("--drafter", default="dspark")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--block-requests", type=int, default=4, help="requests per block, per running request")
+    ap.add_argument("--warmup", type=int, default=1, help="blocks per arm before the counted ones")
+    ap.add_argument("--profile", default="benchmarks/results/serving/profile_cpu_epyc.json")
+    ap.add_argument("--online-calibration", action="store_true")
+    ap.add_argument("--out", default=None, help="write the report here (and its JSON beside it)")
+    args = ap.parse_args()
+    if len(args.arms) < 2 or args.blocks < 2:
+        ap.error("need two arms or more and two blocks or more")
+
+    arms = [Arm(spec, args.drafter, args.concurrency, args.temperature, args.max_tokens, args.profile,
+                args.online_calibration) for spec in args.arms]
+    prompts = [encode_prompt(arms[0].target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
+    size = args.block_requests * args.concurrency
+    blocks = [[(prompts[i % len(prompts)], i) for i in range(b * size, (b + 1) * size)]
+              for b in range(args.warmup + args.blocks)]
+    rates: dict[str, list[float]] = {a.spec: [] for a in arms}
+    for b, block in enumerate(blocks):
+        order = arms if b % 2 == 0 else arms[::-1]
+        for arm in order:
+            tokens, seconds = arm.serve(block)
+            if b >= args.warmup:
+                rates[arm.spec].append(tokens / seconds)
+        if b >= args.warmup:
+            print(f"block {b + 1 - args.warmup}/{args.blocks}: "
+                  + ", ".join(f"{a.spec} {rates[a.spec][-1]:.1f}" for a in arms), flush=True)
+
+    first = args.arms[0]
+    lines = [f"python benchmarks/interleaved_arms.py {' '.join(sys.argv[1:])}",
+             f"{args.concurrency} concurrent requests, temperature {args.temperature:g}, drafter {args.drafter}, "
+             f"{args.blocks} blocks of {size} requests of {args.max_tokens} tokens per arm (order reversed every "
+             f"block)",
+             f"{'arm':<16} {'tokens/s':>9} {'ratio to ' + first:>22} {'95% interval':>16}"]
+    summary = {"args": vars(args), "rates": rates, "ratios": {}}
+    for spec in args.arms:
+        mean_rate = statistics.mean(rates[spec])
+        if spec == first:
+            lines.append(f"{spec:<16} {mean_rate:>9.1f} {'':>22} {'':>16}")
+            continue
+        ratios = [a / b for a, b in zip(rates[first], rates[spec])]  # first arm over this arm, per block
+        m, sd = statistics.mean(ratios), statistics.stdev(ratios)
+        half = t95(len(ratios) - 1) * sd / math.sqrt(len(ratios))
+        summary["ratios"][spec] = {"mean": m, "low": m - half, "high": m + half}
+        verdict = "ahead" if m - half > 1 else "behind" if m + half < 1 else "within noise"
+        lines.append(f"{spec:<16} {mean_rate:>9.1f} {m:>17.3f}x {m - half:>7.3f}-{m + half:.3f}  {first} {verdict}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""benchmarks/interleaved_arms.py: every arm serves the same blocks to completion, and the report's interval."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from dspark.api import encode_prompt
+from dspark.scheduling import uniform_cost_model
+
+_spec = importlib.util.spec_from_file_location(
+    "interleaved_arms", Path(__file__).resolve().parent.parent / "benchmarks" / "interleaved_arms.py")
+interleaved_arms = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(interleaved_arms)
+
+
+def test_arms_serve_the_same_block_to_completion_at_their_concurrency() -> None:
+    arms = [interleaved_arms.Arm(spec, "dspark", 2, 0.0, 6, None, online,
+                                 uniform_cost_model(gamma=7, batches=(1, 2), layout="padded"))
+            for spec, online in (("dspark", True), ("fixed:3", False), ("dspark+offline", True))]
+    assert arms[0].engine.online_calibration is not None and arms[2].engine.online_calibration is None
+    prompts = [encode_prompt(arms[0].target, p) for p in ("def add(a, b):", "The sea is", "1 + 1 =")]
+    block = [(prompts[i], i) for i in range(3)]
+    widths = []
+    for arm in arms:
+        arm.engine.on_step = lambda info, w=widths: w.append(info.batch)
+        tokens, seconds = arm.serve(block)
+        assert tokens == 3 * 6 and seconds > 0  # every request of the block, max_tokens each (EOS ignored)
+        assert not arm.engine.has_work
+    assert max(widths) == 2  # the closed loop keeps two running, never more
+    with pytest.raises(ValueError, match=r"\+online or \+offline"):
+        interleaved_arms.Arm("dspark+fast", "dspark", 1, 0.0, 4, None, False)
+
+
+def test_t_quantiles() -> None:
+    assert interleaved_arms.t95(1) == 12.71 and interleaved_arms.t95(11) == 2.23 and interleaved_arms.t95(100) == 1.96
