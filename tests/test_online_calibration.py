@@ -393,3 +393,15 @@ def test_deferred_refits_refit_each_stream_once_when_the_block_ends() -> None:
         direct.observe(data.signals[i], int(data.available[i]), int(data.accepted[i]), True)
     assert direct._streams[("default", "greedy")].refits == 8
     assert not torch.equal(serve(deferred, TEST.subset(torch.arange(len(TEST)) < 16)), before)
+
+
+def test_a_non_finite_fit_is_not_kept_as_the_next_start() -> None:
+    cal = make(refit_every=25)
+    feed(cal, stream(100, seed=24))
+    s = cal._streams[("default", "greedy")]
+    refits, alpha = s.refits, s.alpha.clone()
+    s.optimum = tuple(torch.full_like(t, math.nan) for t in s.optimum)  # as if a fit had gone wrong
+    cal.refit()
+    assert cal.rejected["refit"] == 1 and s.refits == refits and torch.equal(s.alpha, alpha) and s.optimum is None
+    cal.refit()  # a cold start again
+    assert s.refits == refits + 1 and bool(torch.isfinite(s.alpha).all()) and s.optimum is not None

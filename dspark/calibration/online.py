@@ -546,7 +546,8 @@ class OnlineCalibrator:
             centers = [prior_center]
         start = (stream.alpha.clone(), stream.beta.clone()) if last is None else last[2:]
         a, b = self._newton(x, y, wv, *start, centers)
-        stream.optimum = (shared_a, shared_b, a, b)
+        fits = (shared_a, shared_b, a, b)  # kept as the next start only when finite: a bad start would stick
+        stream.optimum = fits if all(t is None or bool(torch.isfinite(t).all()) for t in fits) else None
         new_a = (stream.alpha + (a - stream.alpha).clamp(-self.max_step, self.max_step)).clamp(*_ALPHA_BOUNDS)
         new_b = (stream.beta + (b - stream.beta).clamp(-self.max_step, self.max_step)).clamp(*_BETA_BOUNDS)
         if not (bool(torch.isfinite(new_a).all()) and bool(torch.isfinite(new_b).all())):
