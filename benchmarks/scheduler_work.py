@@ -2,9 +2,9 @@
 
     python benchmarks/scheduler_work.py [--concurrency 1 8 32] [--temperatures 0 1] [--steps 200] [--out FILE]
 
-Keeps `--concurrency` requests running in process (benchmarks/engine_overhead.py's closed loop) with the
-`dspark` scheduler, the profiled cost model and online calibration on, as `dspark serve` has them, and times
-every call of the four parts a fixed policy does not pay: the block's signals, calibrated survival (the
+Keeps `--concurrency` requests running in process (benchmarks/engine_overhead.py's closed loop) in the
+`dspark` engine of benchmarks/interleaved_arms.py (the profiled cost model and online calibration on, as
+`dspark serve` has them), and times every call of the four parts a fixed policy does not pay: the block's signals, calibrated survival (the
 online calibrator over the offline maps), Algorithm 1's plan, and the online calibrator's observations (its
 refits included). Reports milliseconds per step and their share of the step. To compare two versions, run
 it from each checkout in turns (PYTHONPATH=checkout) and put the tables side by side.
@@ -21,13 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_overhead import closed_loop  # noqa: E402
+from interleaved_arms import Arm  # noqa: E402
 
 import dspark.engine.engine as engine_module  # noqa: E402
-from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model  # noqa: E402
+from dspark.api import encode_prompt  # noqa: E402
 from dspark.calibration import signals as signals_module  # noqa: E402
-from dspark.calibration.online import OnlineCalibrator  # noqa: E402
-from dspark.drafters.base import drafter_gamma  # noqa: E402
-from dspark.engine import Engine, EngineConfig  # noqa: E402
 from dspark.evaluation.bench import load_eval_prompts  # noqa: E402
 from dspark.scheduling import Scheduler  # noqa: E402
 
@@ -48,11 +46,8 @@ def timed(seconds: Counter, label: str, fn):
 def measure(concurrency: int, temperature: float, steps: int, warmup: int, profile: str | None,
             max_tokens: int) -> dict[str, float]:
     """Milliseconds per step of each part, and of the whole step, over `steps` steps after `warmup`."""
-    target = load_target()
-    drafter = load_drafter("dspark", target)
-    drafter.prepare()
-    cost = step_cost_model(target, drafter, concurrency, profile)
-    online = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter))
+    arm = Arm("dspark", "dspark", concurrency, temperature, max_tokens, profile, online=True)  # as `dspark serve`
+    engine, online = arm.engine, arm.engine.online_calibration
     seconds: Counter = Counter()
     patches = [(signals_module, "block_signals", "signals"), (engine_module, "survival_for", "survival"),
                (Scheduler, "plan", "plan"), (online, "observe", "online observe")]
@@ -60,8 +55,7 @@ def measure(concurrency: int, temperature: float, steps: int, warmup: int, profi
     try:
         for obj, name, label in patches:
             setattr(obj, name, timed(seconds, label, getattr(obj, name)))
-        prompts = [encode_prompt(target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
-        engine = Engine(target, drafter, "dspark", cost, EngineConfig(max_running=concurrency), online)
+        prompts = [encode_prompt(arm.target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
         closed_loop(engine, prompts, concurrency, warmup, 1, max_tokens, temperature, False)
         seconds.clear()
         infos = closed_loop(engine, prompts, concurrency, 0, steps, max_tokens, temperature, False)

@@ -73,6 +73,10 @@ class CostModel:
     #: learned online (`observe_overhead`) as a + c·B + b·T; its fixed part a + c·B is added to drafted and plain
     #: costs alike (the per-token part b·T cannot change a decision, see `dspark.step_overhead`)
     overhead: StepOverhead = field(default_factory=StepOverhead, repr=False)
+    #: each drafted row's corrected cells (`_row_scales`), valid for the measurement count `_scales_at`
+    _scales: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, init=False, repr=False,
+                                                               compare=False)
+    _scales_at: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -139,15 +143,13 @@ class CostModel:
     def _row_scales(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(correction factor of each cell of drafted row `b` and past it [len + 1], the row's corrected
         seconds made monotone [len]); cached until the next measurement changes the corrections."""
-        key = (b, self._count)
-        cache = self.__dict__.setdefault("_scale_cache", {})
-        hit = cache.get(key)
+        if self._scales_at != self._count:  # a measurement since: every row's corrections may have moved
+            self._scales, self._scales_at = {}, self._count
+        hit = self._scales.get(b)
         if hit is None:
             ns, secs = self._rows[b]
             scale = np.array([self._scale(("d", b, i), "d") for i in range(len(ns) + 1)])
-            if len(cache) > 64:  # entries of earlier measurement counts are never read again
-                cache.clear()
-            hit = cache[key] = (scale, _envelope(secs * scale[:-1]))
+            hit = self._scales[b] = (scale, _envelope(secs * scale[:-1]))
         return hit
 
     def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:

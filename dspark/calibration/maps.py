@@ -330,6 +330,7 @@ class BinnedMap(SurvivalMap):
         self.base = base
         self.edges = edge_rows
         self.values = value_rows
+        self._table_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}  # see _tables
 
     @property
     def reads_head(self) -> bool:  # type: ignore[override]
@@ -347,11 +348,11 @@ class BinnedMap(SurvivalMap):
         return {"base": self.base.to_dict(), "edges": [list(e) for e in self.edges],
                 "values": [list(v) for v in self.values]}
 
-    def _tables(self, gamma: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _tables(self, gamma: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(edges [γ, E] padded with +inf, edge counts [γ], flat bin values with row offsets [γ]) for γ positions
         (positions past the fitted ones use the last), cached per γ, dtype and device: built once, not per step."""
         key = (gamma, like.dtype, like.device)
-        cache = self.__dict__.setdefault("_table_cache", {})
+        cache = self._table_cache
         hit = cache.get(key)
         if hit is None:
             rows = [min(k, len(self.values) - 1) for k in range(gamma)]
