@@ -50,7 +50,7 @@ def measure(concurrency: int, temperature: float, steps: int, warmup: int, profi
     engine, online = arm.engine, arm.engine.online_calibration
     seconds: Counter = Counter()
     patches = [(signals_module, "block_signals", "signals"), (engine_module, "survival_for", "survival"),
-               (Scheduler, "plan", "plan"), (online, "observe", "online observe")]
+               (Scheduler, "plan", "plan"), (online, "observe_step", "online observe")]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, label in patches:
@@ -62,7 +62,7 @@ def measure(concurrency: int, temperature: float, steps: int, warmup: int, profi
     finally:
         for obj, name, fn in saved:
             if obj is online:
-                del online.observe  # back to the class's method
+                del online.observe_step  # back to the class's method
             else:
                 setattr(obj, name, fn)
     out = {label: 1e3 * seconds[label] / len(infos) for label in PARTS}

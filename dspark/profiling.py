@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dspark.atomic import read_json, save_figure_atomic, write_text_atomic
+from dspark.cost_fit import fit_row
 from dspark.decoding import StepInfo, decode, drafter_gamma
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.sampling import SamplingParams
@@ -82,6 +83,17 @@ class StepProfile:
                 out.append(int(b))
         return out
 
+    def refitted(self) -> StepProfile:
+        """This profile with every drafted row that has its repeats in meta["drafted_times"] rebuilt from them
+        (`dspark.cost_fit.fit_row`), as `profile_steps` builds rows now; other rows stay."""
+        drafted = dict(self.cost.drafted)
+        smoothed = set(self.meta.get("smoothed_rows", []))
+        for b, cells in self.meta.get("drafted_times", {}).items():
+            drafted[int(b)], fitted = fit_row({int(n): v for n, v in cells.items()})
+            (smoothed.add if fitted else smoothed.discard)(int(b))
+        meta = {**self.meta, "smoothed_rows": sorted(smoothed)}
+        return StepProfile(CostModel(drafted, dict(self.cost.plain), self.cost.layout), self.fingerprint, meta)
+
     def merged(self, other: StepProfile) -> StepProfile:
         """This profile with `other`'s batch sizes added (other wins where both have one)."""
         drafted = {**self.cost.drafted, **other.cost.drafted}
@@ -90,6 +102,8 @@ class StepProfile:
         for key in ("plain_times", "drafted_times"):
             meta[key] = {**self.meta.get(key, {}), **other.meta.get(key, {})}
         meta["batches"] = sorted(drafted)
+        meta["smoothed_rows"] = sorted({b for b in self.meta.get("smoothed_rows", []) if b not in other.cost.drafted}
+                                       | set(other.meta.get("smoothed_rows", [])))
         meta["seconds"] = float(self.meta.get("seconds", 0.0)) + float(other.meta.get("seconds", 0.0))
         return StepProfile(CostModel(drafted, plain, self.cost.layout), self.fingerprint, meta)
 
@@ -348,8 +362,10 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
                   drafter_name: str | None = None, progress: bool = True) -> StepProfile:
     """Time decoding steps through `decode` at each batch size and every verified-draft count ℓ = 0..γ.
 
-    Cell (B, N = B·(1 + ℓ)) is the median of `reps` steps (after `warmup`) in which B requests each verified
-    exactly ℓ drafts (greedy, no EOS, every row drafts; short n-gram rows are padded); plain[B] is the median
+    Cell (B, N = B·(1 + ℓ)) comes from `reps` steps (after `warmup`) in which B requests each verified exactly ℓ
+    drafts (greedy, no EOS, every row drafts; short n-gram rows are padded): a batch row's cells are its medians
+    smoothed by `dspark.cost_fit.fit_row` (two lines meeting at a knee) unless the medians depart from the fit by
+    more than their noise explains (meta["smoothed_rows"] lists the smoothed rows); plain[B] is the median
     step of target-only decoding (the drafter is not called). Prompts are `context_len` tokens; one decode
     per batch size runs the cells in turn, one step each, so the context grows by up to a few hundred
     tokens over the profile and noise falls on every cell alike.
@@ -377,7 +393,7 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
     drafted: dict[int, list[tuple[int, float]]] = {}
     plain: dict[int, float] = {}
     meta: dict = {"gamma": gamma, "batches": batches, "warmup": warmup, "reps": reps, "context_len": context_len,
-                  "plain_times": {}, "drafted_times": {}, "dropped_steps": 0}
+                  "plain_times": {}, "drafted_times": {}, "dropped_steps": 0, "smoothed_rows": []}
     bar = tqdm(total=len(batches) * (gamma + 2 if full else 1), desc="profiling steps", disable=not progress,
                unit="cell", file=sys.stderr)
     start = time.perf_counter()
@@ -393,8 +409,10 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
         if not full:
             drafted[b] = [(b, plain[b])]
         else:
-            drafted[b] = [(b * (1 + ell), float(np.median(times[ell]))) for ell in range(gamma + 1)]
+            drafted[b], smoothed = fit_row({b * (1 + ell): times[ell] for ell in range(gamma + 1)})
             meta["drafted_times"][str(b)] = {str(b * (1 + ell)): times[ell] for ell in range(gamma + 1)}
+            if smoothed:
+                meta["smoothed_rows"].append(b)
         bar.update(gamma + 2 if full else 1)
     bar.close()
     meta["seconds"] = time.perf_counter() - start

@@ -374,47 +374,57 @@ def admission_order(survival, limits: Sequence[int]) -> tuple[np.ndarray, np.nda
 
 
 def _path(survival, limits, cost: CostModel, token_budget: int | None):
-    """Admission path: rows, positions, survivals, tokens N_j, seconds and cost-cell ids for j = 0..M admitted."""
+    """Admission path: rows, positions, survivals, tokens N_j, seconds for j = 0..M admitted, and (padded
+    layout) the seconds of a step at each width w = 0..max limit, which the cut reads too."""
     lim = _as_numpy(limits, np.int64)
     num = len(lim)
     rows, pos, vals = admission_order(survival, lim)
+    width_seconds = None
     if cost.layout == "ragged":
         tokens = num + np.arange(len(rows) + 1)
     else:
-        tokens = num * (1 + np.maximum.accumulate(np.concatenate([[0], pos])))
+        width = np.maximum.accumulate(np.concatenate([[0], pos]))
+        tokens = num * (1 + width)
     if token_budget is not None:
         fits = tokens <= max(token_budget, num)
         stop = len(fits) if fits.all() else int(np.argmin(fits))
         rows, pos, vals, tokens = rows[: max(0, stop - 1)], pos[: max(0, stop - 1)], vals[: max(0, stop - 1)], tokens[:stop]
-    seconds = cost.cost_many(num, tokens)
-    return rows, pos, vals, tokens, seconds
+    if cost.layout == "ragged":
+        seconds = cost.cost_many(num, tokens)
+    else:  # every padded step is one of max limit + 1 widths: price those once
+        width_seconds = cost.cost_many(num, num * (1 + np.arange(int(lim.max(initial=0)) + 1)))
+        seconds = width_seconds[tokens // num - 1]
+    return rows, pos, vals, tokens, seconds, width_seconds
 
 
 def _lengths_from(rows: np.ndarray, count: int, num: int) -> np.ndarray:
     return np.bincount(rows[:count], minlength=num).astype(np.int64)
 
 
-def _plateau_room(lim: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, cost: CostModel) -> np.ndarray:
+def _plateau_room(lim: np.ndarray, tokens: np.ndarray, cost: CostModel,
+                  width_seconds: np.ndarray | None = None) -> np.ndarray:
     """room[j]: how many drafts a step can hold at the cost of path step j, counted from what the limits
-    allow (never from later candidates, whose survivals may depend on earlier drafts)."""
+    allow (never from later candidates, whose survivals may depend on earlier drafts). width_seconds: the
+    padded layout's step seconds at each width 0..max limit (`_path`)."""
     num = len(lim)
     if cost.layout == "ragged":
         ends = cost.cell_end_many(num, tokens)
         return np.minimum(ends, num + lim.sum()) - num
     # padded: every row may grow to the widest width whose step costs the same
     widths = np.arange(int(lim.max(initial=0)) + 1)
-    width_cost = cost.cost_many(num, num * (1 + widths))
+    width_cost = cost.cost_many(num, num * (1 + widths)) if width_seconds is None else width_seconds
     widest = np.where(width_cost[:, None] == width_cost[None, :], widths[None, :], -1).max(1)  # same cost
     room_at_width = np.minimum(lim[None, :], widest[:, None]).sum(1)
     return room_at_width[tokens // num - 1]
 
 
 def _best_continuation(tau_before: float, v: float, admitted: int, width: int, lim: np.ndarray, cost: CostModel,
-                       max_tokens: int | None) -> float:
+                       max_tokens: int | None, width_seconds: np.ndarray | None = None) -> float:
     """Upper bound on Θ of any step that admits the next candidate (survival v) after `admitted` others, and
     maybe more: every later candidate survives at most v, and the limits (not later candidates) say how
     many there can be. Ragged: every added draft is a token; padded: a step of width w holds
-    Σ min(limit, w) drafts for w ≥ `width` (the width with the candidate). Reads v, the limits and the costs."""
+    Σ min(limit, w) drafts for w ≥ `width` (the width with the candidate), priced by `width_seconds` where
+    given (`_path`). Reads v, the limits and the costs."""
     num = len(lim)
     if cost.layout == "ragged":
         extra = np.arange(1, int(lim.sum()) - admitted + 1)
@@ -429,11 +439,15 @@ def _best_continuation(tau_before: float, v: float, admitted: int, width: int, l
     if not keep.any():
         return -math.inf
     extra, tokens = extra[keep], tokens[keep]
-    return float(np.max((tau_before + extra * v) / cost.cost_many(num, tokens)))
+    if cost.layout == "ragged" or width_seconds is None:
+        seconds = cost.cost_many(num, tokens)
+    else:
+        seconds = width_seconds[tokens // num - 1]
+    return float(np.max((tau_before + extra * v) / seconds))
 
 
 def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: np.ndarray, cost: CostModel,
-                pos: np.ndarray, max_tokens: int | None) -> int:
+                pos: np.ndarray, max_tokens: int | None, width_seconds: np.ndarray | None = None) -> int:
     """How many candidates of the path Algorithm 1 admits (see prefix_schedule)."""
     num = len(lim)
     tau = num + np.concatenate([[0.0], np.cumsum(vals)])
@@ -442,7 +456,7 @@ def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: 
         return 0
     best_before = np.maximum.accumulate(theta)[:-1]  # Θ_best while considering candidate j (1-based)
     crossing = seconds[1:] != seconds[:-1]
-    room = _plateau_room(lim, tokens[1:], seconds[1:], cost) - np.arange(len(vals))  # slots left from j on
+    room = _plateau_room(lim, tokens[1:], cost, width_seconds) - np.arange(len(vals))  # slots left from j on
     upper = (tau[:-1] + np.maximum(room, 1) * vals) / seconds[1:]  # later candidates survive at most vals[j]
     widths = np.maximum.accumulate(pos)  # the padded width with candidates 1..j
     for j in np.nonzero(crossing & (upper <= best_before))[0]:
@@ -452,7 +466,8 @@ def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: 
         # leaving the CUDA graphs, followed by cheap tokens)
         if room[j] <= 1:
             return int(j)
-        if _best_continuation(tau[j], vals[j], int(j), int(widths[j]), lim, cost, max_tokens) <= best_before[j]:
+        if _best_continuation(tau[j], vals[j], int(j), int(widths[j]), lim, cost, max_tokens,
+                              width_seconds) <= best_before[j]:
             return int(j)
     return len(vals)
 
@@ -474,8 +489,8 @@ def prefix_schedule(survival, limits: Sequence[int], cost: CostModel,
     """
     lim = _as_numpy(limits, np.int64)
     num = len(lim)
-    rows, pos, vals, tokens, seconds = _path(survival, lim, cost, token_budget)
-    count = _prefix_cut(vals, tokens, seconds, lim, cost, pos, token_budget)
+    rows, pos, vals, tokens, seconds, width_seconds = _path(survival, lim, cost, token_budget)
+    count = _prefix_cut(vals, tokens, seconds, lim, cost, pos, token_budget, width_seconds)
     tau = num + vals[:count].sum()
     return _lengths_from(rows, count, num), float(tau / seconds[count])
 
@@ -487,7 +502,7 @@ def best_capacity(survival, limits: Sequence[int], cost: CostModel, token_budget
     (`dspark-async` uses those of two steps before); on the current block it would anticipate.
     """
     lim = _as_numpy(limits, np.int64)
-    _, _, vals, _, seconds = _path(survival, lim, cost, token_budget)
+    _, _, vals, _, seconds, _ = _path(survival, lim, cost, token_budget)
     theta = (len(lim) + np.concatenate([[0.0], np.cumsum(vals)])) / seconds
     best = int(np.argmax(theta))
     return best, float(theta[best])
@@ -552,6 +567,10 @@ class Scheduler:
     SURVIVAL_SMOOTHING = 0.05
     #: expected relative gain of drafting below which the policy calls itself unsure (`unsure`)
     UNSURE_GAIN = 0.5
+    #: drafted steps after which a plan skipped as not paying (`plan_pays`) runs again
+    PLAN_REFRESH = 16
+    #: weight of a planned step in the smoothed advantage of planning and in its measured own work
+    PLAN_SMOOTHING = 0.1
 
     def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
         self.spec = spec
@@ -570,6 +589,10 @@ class Scheduler:
         self.drafted_steps = 0
         self.skipped_steps = 0
         self.plain_probes = 0
+        self._advantage: dict[int, float] = {}  # per batch bucket: smoothed log(Θ of the plan / Θ of the full block)
+        self._own_seconds: float | None = None  # smoothed seconds a planned step spends on planning
+        self._unplanned = 0  # drafted steps since the last plan
+        self.skipped_plans = 0
 
     @property
     def needs_survival(self) -> bool:
@@ -678,6 +701,56 @@ class Scheduler:
         self.drafted_steps += 1
         return True
 
+    def observe_own_work(self, seconds: float) -> None:
+        """Fold the seconds a planned step spent on planning (its block's signals, survival, Algorithm 1 and the
+        online calibrator's observations, as the decoding loop measures them) into what `plan_pays` weighs."""
+        if math.isfinite(seconds) and seconds >= 0:
+            own = self._own_seconds
+            self._own_seconds = seconds if own is None else own + self.PLAN_SMOOTHING * (seconds - own)
+
+    def plan_pays(self, limits: Sequence[int], cost: CostModel | None, token_budget: int | None = None) -> bool:
+        """Whether a drafted `dspark` step should compute survivals and plan, rather than verify every available
+        draft within the budget (`full_plan`).
+
+        Planning costs time a fixed policy does not spend, and at some batch sizes Algorithm 1 almost never
+        cuts enough to earn it back (on a flat cost curve, where a longer block costs next to nothing). So the
+        plan's expected advantage, log(Θ of the plan / Θ of the full block) under the step's survivals and
+        costs, smoothed over planned steps of this batch size's bucket (1, 2, 3-4, 5-8, ...), is weighed
+        against its measured own work as a share of the full block's step, log(1 + own / cost): below it the
+        plan is skipped, for at most PLAN_REFRESH drafted steps in a row before one runs again. Never while
+        `unsure` (the gain that backs drafting off comes from plans) or before both are measured. Reads past
+        steps and the costs only: a skipped plan verifies what a fixed policy would (lossless).
+        """
+        if self.kind != "dspark" or cost is None or self._own_seconds is None or self.unsure:
+            return True
+        lim = _as_numpy(limits, np.int64)
+        advantage = self._advantage.get(_bucket(len(lim)))
+        if advantage is None or self._unplanned >= self.PLAN_REFRESH or not len(lim):
+            return True
+        full = cost.cost(len(lim), step_tokens(cap_to_budget(lim, token_budget, cost.layout), cost.layout))
+        if advantage >= math.log1p(self._own_seconds / full):
+            return True
+        self._unplanned += 1
+        self.skipped_plans += 1
+        return False
+
+    def full_plan(self, limits: Sequence[int], cost: CostModel | None, token_budget: int | None = None) -> StepPlan:
+        """Every available draft, within the token budget: the plan of a step whose planning does not pay."""
+        layout = cost.layout if cost is not None else "padded"
+        return StepPlan(cap_to_budget(_as_numpy(limits, np.int64), token_budget, layout).tolist())
+
+    def _note_advantage(self, a: np.ndarray, lim: np.ndarray, cost: CostModel, token_budget: int | None,
+                        theta: float) -> None:
+        """Smooth log(Θ of the plan / Θ of the full block) into this batch bucket's advantage (`plan_pays`)."""
+        full = cap_to_budget(lim, token_budget, cost.layout)
+        reach = np.arange(a.shape[1])[None, :] < full[:, None]
+        theta_full = (len(lim) + float(a[reach].sum())) / cost.cost(len(lim), step_tokens(full, cost.layout))
+        advantage = math.log(max(theta, 1e-300) / max(theta_full, 1e-300))
+        key = _bucket(len(lim))
+        old = self._advantage.get(key)
+        self._advantage[key] = advantage if old is None else old + self.PLAN_SMOOTHING * (advantage - old)
+        self._unplanned = 0
+
     def _predicted_to_pay(self, num_rows: int) -> bool:
         """Whether Algorithm 1 on the typical survival row of past drafted steps, repeated for `num_rows`
         requests, beats plain decoding (survivals of finished steps only: non-anticipating)."""
@@ -713,6 +786,8 @@ class Scheduler:
         if self.kind == "dspark" or stale is None:
             lengths, theta = prefix_schedule(a, lim, cost, token_budget)
             capacity = int(lengths.sum())
+            if self.kind == "dspark":
+                self._note_advantage(a, lim, cost, token_budget, theta)
         else:  # dspark-async: capacity from survivals two steps old, admitted by current survival
             fallback = np.mean(list(stale.values()), axis=0)
             old = np.stack([stale.get(i, fallback) for i in ids])
@@ -749,6 +824,11 @@ class Scheduler:
             self._probing = True
         else:
             self._backoff = 4
+
+
+def _bucket(num_rows: int) -> int:
+    """The power of two at or above `num_rows`: batch sizes whose plans are judged together."""
+    return 1 << max(0, int(num_rows) - 1).bit_length()
 
 
 def parse_policy(spec: str, gamma: int) -> tuple[str, object]:

@@ -7,6 +7,7 @@ calibrator are told, the StepInfo, stop tokens and stop strings, rows leaving th
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -19,7 +20,7 @@ from dspark.drafters.base import DraftBlock, Drafter
 from dspark.engine.engine import Engine, EngineConfig
 from dspark.engine.request import Request
 from dspark.sampling import SamplingParams
-from dspark.scheduling import Scheduler, step_tokens, uniform_cost_model
+from dspark.scheduling import CostModel, Scheduler, step_tokens, uniform_cost_model
 from tests.lossless_worlds import markov_target
 
 V = 8
@@ -381,18 +382,21 @@ def test_step_info_and_cost_model_observations(layout):
     engine, infos = make_engine(drafter, "dspark", cost)
     reqs = [Request([0], max_tokens=8), Request([4], max_tokens=8, max_draft=1)]
     run(engine, reqs)
-    assert len(infos) == len(cost.seen) > 0
+    assert len(infos) == len(cost.seen) > 0 and infos[0].planned
     for i, (info, seen) in enumerate(zip(infos, cost.seen)):
         rows = [r for r in reqs if len(r.rounds) > i + 1]  # rounds[0]: the prefill's token, no StepInfo
         assert info.batch == len(rows)
         assert info.lengths == [r.rounds[i + 1].draft_len for r in rows]
         assert info.accepted == [r.rounds[i + 1].accepted for r in rows]
         assert info.tokens == step_tokens(np.array(info.lengths), layout)
-        if info.drafted:  # Algorithm 1 planned the round
-            assert info.capacity == sum(info.lengths) and info.expected_throughput > 0
+        if info.planned:  # Algorithm 1 planned the round
+            assert info.drafted and info.capacity == sum(info.lengths) and info.expected_throughput > 0
+        elif info.drafted:  # planning did not pay (the plans verified whole blocks): every available draft
+            assert info.capacity is None and info.lengths == [r.rounds[i + 1].available for r in rows]
         else:
             assert info.capacity is None and info.expected_throughput is None and sum(info.lengths) == 0
         assert seen == (info.batch, info.tokens, info.seconds, info.drafted)
+        assert info.planned == (info.capacity is not None)
         # the round's parts add up within it, and the round lies within its step
         assert min(info.draft_seconds, info.schedule_seconds, info.target_seconds, info.prefill_seconds) >= 0
         parts = info.draft_seconds + info.schedule_seconds + info.target_seconds
@@ -449,8 +453,11 @@ class FakeOnline:
         self.asked.append((signals.shape, lengths.tolist(), list(temperatures), list(workloads)))
         return self.a[: signals.shape[0], : signals.shape[1]].clone()
 
-    def observe(self, signals, n, accepted, greedy, workload=None, request_id=None, temperature=None):
-        self.seen.append((signals.clone(), n, accepted, greedy, workload, request_id, temperature))
+    def observe_step(self, signals, available, accepted, greedy, workloads, request_ids, temperatures):
+        assert signals.dim() == 3 and len(available) == len(signals)  # one call per step, a row per round
+        for r, n in enumerate(available):
+            self.seen.append((signals[r, :n].clone(), n, accepted[r], greedy[r], workloads[r], request_ids[r],
+                              temperatures[r]))
 
 
 def test_online_calibrator_gets_survival_questions_and_every_verified_prefix():
@@ -634,3 +641,27 @@ def test_the_engine_teaches_the_cost_model_each_steps_overhead_but_not_idle_time
     engine, _ = make_engine(ScriptedDrafter(gamma=2), "fixed", quiet, online_cost=False)
     run(engine, [Request([0], max_tokens=12)])
     assert quiet.overhead.steps == 0
+
+
+def test_a_step_whose_plan_does_not_pay_verifies_the_whole_block_and_feeds_no_calibration():
+    """On a flat cost curve Algorithm 1 never cuts, so once its own work is measured the engine skips planning
+    (`Scheduler.plan_pays`): those steps verify every available draft, compute no survival and give the online
+    calibrator nothing; every PLAN_REFRESH steps one plans again. The output is the target's greedy chain."""
+    from dspark.calibration.maps import ConstantMap
+    from dspark.calibration.online import OnlineCalibrator
+
+    flat = CostModel({1: [(n, 1.0) for n in range(1, 5)]}, {1: 3.0}, "padded")
+    online = OnlineCalibrator(ConstantMap([0.9] * 3), 3)
+    drafter = ScriptedDrafter(gamma=3, good=lambda seq: 1, conf=[0.9, 0.8, 0.7])
+    engine, infos = make_engine(drafter, "dspark", flat, online=online, online_cost=False)
+    req = Request([0], max_tokens=60)
+    run(engine, [req])
+    planned = [i for i in infos if i.planned]
+    skipped = [i for i in infos if i.drafted and not i.planned]
+    assert planned and skipped and engine.scheduler.skipped_plans == len(skipped)
+    assert all(i.lengths == [r.available] for i, r in zip(infos, req.rounds[1:]) if not i.planned and i.drafted)
+    assert all(i.capacity is None and i.expected_throughput is None for i in skipped)
+    assert online.counts["observed"] == len(planned)  # one row: a round per planned step
+    run_of_skips = max(len(list(g)) for k, g in itertools.groupby(i.planned for i in infos if i.drafted) if not k)
+    assert run_of_skips <= Scheduler.PLAN_REFRESH
+    assert req.output_ids == chain(req.prompt_ids[-1], 60)

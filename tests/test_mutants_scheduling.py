@@ -143,9 +143,8 @@ def test_padded_plain_step_costs_one_column():
 def test_plateau_room_ragged_counts_the_cell_within_the_limits():
     cost = ragged({2: [(2, 1.0), (4, 1.5), (6, 2.0)]})
     tokens = np.array([3, 4, 5, 6])
-    seconds = cost.cost_many(2, tokens)
-    assert _plateau_room(np.array([2, 2]), tokens, seconds, cost).tolist() == [2, 2, 4, 4]
-    assert _plateau_room(np.array([1, 1]), tokens[:2], seconds[:2], cost).tolist() == [2, 2]
+    assert _plateau_room(np.array([2, 2]), tokens, cost).tolist() == [2, 2, 4, 4]
+    assert _plateau_room(np.array([1, 1]), tokens[:2], cost).tolist() == [2, 2]
 
 
 def test_plateau_room_padded_counts_the_widest_width_of_the_same_cost():
@@ -153,11 +152,13 @@ def test_plateau_room_padded_counts_the_widest_width_of_the_same_cost():
     cost = CostModel({2: [(2, 1.0), (4, 1.5), (6, 1.5), (8, 2.5)]}, {2: 1.0}, "padded")
     lim = np.array([2, 1])
     tokens = np.array([4, 4, 6])
-    room = _plateau_room(lim, tokens, cost.cost_many(2, tokens), cost)
+    room = _plateau_room(lim, tokens, cost)
     assert room.tolist() == [3, 3, 3]
+    widths = cost.cost_many(2, 2 * (1 + np.arange(3)))  # the widths priced once, as `_path` does
+    assert _plateau_room(lim, tokens, cost, widths).tolist() == [3, 3, 3]
     lim3 = np.array([3, 3])
     tokens3 = np.array([4, 4, 6, 6, 8, 8])
-    assert _plateau_room(lim3, tokens3, cost.cost_many(2, tokens3), cost).tolist() == [4, 4, 4, 4, 6, 6]
+    assert _plateau_room(lim3, tokens3, cost).tolist() == [4, 4, 4, 4, 6, 6]
 
 
 def test_one_candidate_that_pays_is_admitted():
@@ -309,11 +310,12 @@ def test_path_under_a_budget_is_one_prefix_of_the_admission_order():
     cost = linear(2, 3, per_draft=0.01)  # ragged: N = 2 + drafts
     order = admission_order(a, [3, 3])
     for budget, m in ((2, 0), (3, 1), (4, 2), (100, 6)):
-        rows, pos, vals, tokens, seconds = _path(a, [3, 3], cost, budget)
+        rows, pos, vals, tokens, seconds, widths = _path(a, [3, 3], cost, budget)
         assert rows.tolist() == order[0][:m].tolist(), budget
         assert pos.tolist() == order[1][:m].tolist(), budget
         assert vals.tolist() == order[2][:m].tolist(), budget
         assert tokens.tolist() == list(range(2, 2 + m + 1)) and len(seconds) == m + 1, budget
+        assert widths is None  # ragged: no per-width prices
 
 
 def test_a_cheap_width_beyond_every_limit_adds_no_room():
@@ -322,10 +324,10 @@ def test_a_cheap_width_beyond_every_limit_adds_no_room():
     width 2 is priced non-decreasing (width 2 at width 3's cost), never a cheap width the limit forbids as room."""
     cost = CostModel({1: [(1, 1.0), (2, 1.5), (3, 1.5), (4, 1.5)]}, {1: 1.0}, "padded")
     tokens = np.array([2, 3])
-    assert _plateau_room(np.array([2]), tokens, cost.cost_many(1, tokens), cost).tolist() == [2, 2]
-    assert _plateau_room(np.array([1]), np.array([2]), cost.cost_many(1, np.array([2])), cost).tolist() == [1]
+    assert _plateau_room(np.array([2]), tokens, cost).tolist() == [2, 2]
+    assert _plateau_room(np.array([1]), np.array([2]), cost).tolist() == [1]
     noisy = CostModel({1: [(1, 1.0), (2, 1.5), (3, 2.0), (4, 1.5)]}, {1: 1.0}, "padded")
     assert noisy.cost_many(1, np.array([2, 3, 4])).tolist() == [1.5, 1.5, 1.5]
-    assert _plateau_room(np.array([2]), tokens, noisy.cost_many(1, tokens), noisy).tolist() == [2, 2]
+    assert _plateau_room(np.array([2]), tokens, noisy).tolist() == [2, 2]
     lengths, theta = prefix_schedule(np.array([[0.4, 0.3]]), [2], noisy)
     assert lengths.tolist() == [2] and theta == pytest.approx(1.7 / 1.5)

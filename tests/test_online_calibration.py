@@ -405,3 +405,33 @@ def test_a_non_finite_fit_is_not_kept_as_the_next_start() -> None:
     assert cal.rejected["refit"] == 1 and s.refits == refits and torch.equal(s.alpha, alpha) and s.optimum is None
     cal.refit()  # a cold start again
     assert s.refits == refits + 1 and bool(torch.isfinite(s.alpha).all()) and s.optimum is not None
+
+
+def test_observe_step_stores_and_refits_as_observing_each_row_in_a_deferred_block() -> None:
+    """A step's rows observed in one call (the engine's path) give the same stored rounds, counts, rejections
+    and fits as observing each row's verified prefix alone inside `deferred_refits`; malformed rows are
+    rejected one by one and a malformed block rejects every row."""
+    data = stream(600, seed=5)
+    one, batched = make(refit_every=10), make(refit_every=10)
+    step = 8
+    for start in range(0, len(data), step):
+        rows = range(start, min(start + step, len(data)))
+        avail = [int(data.available[i]) for i in rows]
+        acc = [int(data.accepted[i]) for i in rows]
+        workloads = ["code" if i % 3 else None for i in rows]
+        ids = [i % 5 for i in rows]
+        if start == 80:  # a bad row among good ones: accepted > available
+            acc[2] = avail[2] + 1
+        with one.deferred_refits():
+            for j, i in enumerate(rows):
+                one.observe(data.signals[i, : avail[j]], avail[j], acc[j], True, workloads[j], ids[j])
+        stored = batched.observe_step(data.signals[list(rows)], avail, acc, [True] * len(avail), workloads, ids)
+        assert stored == len(avail) - (start == 80)
+    assert batched.counts == one.counts and batched.rejected == one.rejected == {"accepted>available": 1}
+    for name in ("code", None):
+        assert batched.parameters(name) == one.parameters(name)
+    assert torch.equal(serve(batched, TEST, "code"), serve(one, TEST, "code"))
+    assert batched.observe_step(torch.zeros(3, GAMMA), [1, 1, 1], [0, 0, 0], [True] * 3) == 0  # not [R, γ, 3]
+    assert batched.rejected["shape"] == 3
+    with pytest.raises(ValueError, match="one entry per row"):
+        batched.observe_step(data.signals[:2], [1, 1], [0], [True, True])

@@ -128,9 +128,9 @@ def test_sampled_rows_q_signals_are_computed_only_when_a_map_reads_them(bundled_
             super().__init__(*a, **k)
             self.signals: list[torch.Tensor] = []
 
-        def observe(self, signals, *a, **k) -> bool:
-            self.signals.append(signals.clone())
-            return super().observe(signals, *a, **k)
+        def observe_step(self, signals, available, *a, **k) -> int:
+            self.signals.extend(signals[r, :n].clone() for r, n in enumerate(available))
+            return super().observe_step(signals, available, *a, **k)
 
     drafter = dspark.load_drafter("dspark", bundled_target, gamma=3)
     ids = encode_prompt(bundled_target, "Write a poem about the sea.")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark import profiling
+from dspark.cost_fit import fit_row
 from dspark.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from dspark.profiling import (
     FINGERPRINT_FIELDS,
@@ -47,6 +48,8 @@ def test_every_cell_is_measured_on_the_padded_grid(profiles, name, gamma):
         assert all(s > 0 for _, s in p.cost.drafted[b]) and p.cost.plain[b] > 0
         assert len(p.meta["plain_times"][str(b)]) == 2
         assert all(len(t) == 2 for t in p.meta["drafted_times"][str(b)].values())
+        row, smoothed = fit_row({int(n): t for n, t in p.meta["drafted_times"][str(b)].items()})
+        assert p.cost.drafted[b] == row and (b in p.meta["smoothed_rows"]) == smoothed  # a row from its repeats
     assert p.meta["gamma"] == gamma and p.meta["prompt_source"] == "random"
     assert set(FINGERPRINT_FIELDS) <= set(p.fingerprint)
     assert p.fingerprint["drafter"]["name"] == name and p.fingerprint["context_len"] == 24

@@ -595,3 +595,47 @@ def test_corrected_costs_are_cached_only_until_the_next_measurement():
         assert np.array_equal(queried.cost_many(4, tokens), fresh.cost_many(4, tokens))
         assert np.array_equal(queried.cost_many(8, 2 * tokens), fresh.cost_many(8, 2 * tokens))
     assert any(not np.array_equal(a, b) for a, b in zip(seen, seen[1:]))  # the measurements moved the costs
+
+
+def test_planning_is_skipped_where_it_cannot_earn_its_own_time_and_rerun_now_and_then():
+    """On a flat cost curve (a longer block costs nothing) Algorithm 1 verifies whole blocks, so planning only
+    costs time: once its own work is measured, `plan_pays` skips it, at most PLAN_REFRESH drafted steps in a
+    row. Where cutting pays (a steep curve, low survivals) planning stays, however dear it is."""
+    gamma = 4
+    flat = CostModel({1: [(n, 1.0) for n in range(1, 6)]}, {1: 2.0}, "padded")
+    steep = CostModel({1: [(n, 1.0 + 0.5 * (n - 1)) for n in range(1, 6)]}, {1: 5.0}, "padded")
+    high, low = np.array([[0.9, 0.8, 0.7, 0.6]]), np.array([[0.9, 0.5, 0.2, 0.05]])
+    sched = Scheduler("dspark", gamma)
+    assert sched.plan_pays([4], flat)  # nothing measured yet
+    assert sched.plan(high, [4], flat).lengths == [4]
+    assert sched.plan_pays([4], flat)  # own work not measured yet
+    sched.observe_own_work(0.01)  # 1% of the step
+    skipped = 0
+    while not sched.plan_pays([4], flat):
+        skipped += 1
+    assert skipped == Scheduler.PLAN_REFRESH and sched.skipped_plans == skipped
+    assert sched.full_plan([4, 2], flat).lengths == [4, 2]
+    assert sched.full_plan([4, 4], uniform_cost_model(4, layout="ragged"), token_budget=6).lengths == [2, 2]
+    sched.plan(high, [4], flat)  # the refresh plan: the advantage is still zero, so planning is skipped again
+    assert not sched.plan_pays([4], flat)
+    assert sched.plan_pays([4, 4, 4], flat)  # another batch bucket has no measured advantage: plan there
+
+    cutting = Scheduler("dspark", gamma)
+    lengths = cutting.plan(low, [4], steep).lengths
+    assert lengths[0] < 4  # Algorithm 1 cuts: its advantage over the whole block is positive
+    cutting.observe_own_work(0.05)  # planning costs 1.7% of the full block's step; cutting gains more
+    assert all(cutting.plan_pays([4], steep) for _ in range(3 * Scheduler.PLAN_REFRESH))
+
+    for spec in ("fixed:4", "threshold:0.5", "dspark-async"):
+        other = Scheduler(spec, gamma)
+        other.observe_own_work(1.0)
+        assert other.plan_pays([4], flat)
+
+
+def test_planning_is_not_skipped_while_drafting_is_in_doubt():
+    """The gain that backs drafting off comes from plans: while it is small (`unsure`) every step plans."""
+    cost = CostModel({1: [(n, 1.0) for n in range(1, 6)]}, {1: 0.6}, "padded")  # plain steps nearly as good
+    sched = Scheduler("dspark", 4)
+    sched.plan(np.array([[0.5, 0.3, 0.1, 0.05]]), [4], cost)
+    sched.observe_own_work(0.5)
+    assert sched.unsure and sched.plan_pays([4], cost)

@@ -55,7 +55,7 @@ REGIMES = ("greedy", "sampled")
 _EPS = 1e-6
 _ALPHA_BOUNDS = (0.05, 20.0)
 _BETA_BOUNDS = (-10.0, 10.0)
-_MIN_WEIGHT = 1e-3  # with decay and no window, rounds older than this weight leave the buffer
+_MIN_WEIGHT = 1e-2  # with decay and no window, rounds older than this weight leave the buffer (1% of the weight)
 _MAX_LABEL = 256  # longest workload label accepted
 _FULL_STEP = 0.5  # a Newton step moving no logit by more than this is taken without a line search
 
@@ -163,7 +163,7 @@ class OnlineCalibrator:
     """
 
     def __init__(self, prior: Calibration | SurvivalMap, gamma: int, *, decay: float | None = 0.995,
-                 window: int | None = None, refit_every: int = 25, max_request_share: float = 0.1,
+                 window: int | None = None, refit_every: int = 50, max_request_share: float = 0.1,
                  max_step: float = 0.25, min_rounds: float = 50.0, ridge: float = 1.0, position_ridge: float = 10.0,
                  newton_steps: int = 6,
                  workloads: Sequence[str] | None = None, max_workloads: int = 64,
@@ -304,24 +304,69 @@ class OnlineCalibrator:
             if not pooled:
                 self._counts["unpooled"] += 1
                 return False
-            checked = self._check(signals, available, accepted, greedy, workload, request_id, temperature)
-            if isinstance(checked, str):
-                return self._reject(checked)
-            sig, avail, acc, t = checked
-            if avail == 0:
-                self._counts["empty"] += 1
-                return False
-            self._store(sig, avail, acc, greedy, workload, request_id, t)
-            return True
+            sig = self._block(signals, 2)
+            if isinstance(sig, str):
+                return self._reject(sig)
+            return self._observe_array(sig, available, accepted, greedy, workload, request_id, temperature)
 
-    def _check(self, signals: Any, available: Any, accepted: Any, greedy: Any, workload: Any, request_id: Any,
-               temperature: Any) -> str | tuple[np.ndarray, int, int, float]:
-        """(signals [γ, 3] float32, available, accepted, temperature) of a sound round, else why it is rejected."""
+    def observe_step(self, signals: torch.Tensor, available: Sequence[int], accepted: Sequence[int],
+                     greedy: Sequence[bool], workloads: Sequence[str | None] | None = None,
+                     request_ids: Sequence[int | None] | None = None,
+                     temperatures: Sequence[float | None] | None = None) -> int:
+        """Record one decoding step's rounds, row r of signals [R, γ', 3] verifying its first available[r]
+        drafts, as `observe` does each (same checks, counts and storage), with the block checked and moved to
+        numpy once and the streams refitted once at the end (`deferred_refits`). Returns how many were stored."""
+        rows = len(available)
+        others = [v for v in (workloads, request_ids, temperatures) if v is not None]
+        if len(accepted) != rows or len(greedy) != rows or any(len(v) != rows for v in others):
+            raise ValueError(f"observe_step: available, accepted, greedy, workloads, request_ids and temperatures "
+                             f"need one entry per row ({rows})")
+        with self._lock:
+            block = self._block(signals, 3)
+            if isinstance(block, str) or block.shape[0] != rows:
+                for _ in range(rows):
+                    self._reject("shape" if not isinstance(block, str) else block)
+                return 0
+            stored = 0
+            with self.deferred_refits():
+                for r in range(rows):
+                    avail = available[r]
+                    cut = block[r, : avail] if isinstance(avail, (int, np.integer)) and not isinstance(avail, bool) \
+                        and 0 < avail <= block.shape[1] else block[r]
+                    stored += self._observe_array(
+                        cut, avail, accepted[r], greedy[r], None if workloads is None else workloads[r],
+                        None if request_ids is None else request_ids[r],
+                        None if temperatures is None else temperatures[r])
+            return stored
+
+    def _observe_array(self, sig: np.ndarray, available: Any, accepted: Any, greedy: Any, workload: Any,
+                       request_id: Any, temperature: Any) -> bool:
+        """`observe` on a round's signals already checked for type and moved to numpy ([γ', 3] float32)."""
+        checked = self._check(sig, available, accepted, greedy, workload, request_id, temperature)
+        if isinstance(checked, str):
+            return self._reject(checked)
+        sig, avail, acc, t = checked
+        if avail == 0:
+            self._counts["empty"] += 1
+            return False
+        self._store(sig, avail, acc, greedy, workload, request_id, t)
+        return True
+
+    @staticmethod
+    def _block(signals: Any, dims: int) -> np.ndarray | str:
+        """A round's (dims 2: [γ', 3]) or a step's (dims 3: [R, γ', 3]) signals as float32 numpy, else why not."""
         if not isinstance(signals, torch.Tensor):
             return "type"
-        if signals.dim() != 2 or signals.shape[1] != NUM_SIGNALS or signals.shape[0] < 1:
+        if signals.dim() != dims or signals.shape[-1] != NUM_SIGNALS or signals.shape[-2] < 1:
             return "shape"
-        if not signals.is_floating_point() or not isinstance(greedy, bool):
+        if not signals.is_floating_point():
+            return "type"
+        return signals.detach().to(device="cpu", dtype=torch.float32).numpy()
+
+    def _check(self, sig: np.ndarray, available: Any, accepted: Any, greedy: Any, workload: Any, request_id: Any,
+               temperature: Any) -> str | tuple[np.ndarray, int, int, float]:
+        """(signals [γ, 3] float32, available, accepted, temperature) of a sound round, else why it is rejected."""
+        if not isinstance(greedy, bool):
             return "type"
         if workload is not None and (not isinstance(workload, str) or len(workload) > _MAX_LABEL):
             return "type"
@@ -346,9 +391,8 @@ class OnlineCalibrator:
             return "negative"
         if acc > avail:
             return "accepted>available"
-        if avail > signals.shape[0]:
+        if avail > sig.shape[0]:
             return "available>signals"
-        sig = signals.detach().to(device="cpu", dtype=torch.float32).numpy()
         if np.isinf(sig).any():
             return "nonfinite"
         g = min(sig.shape[0], self.gamma)

@@ -33,7 +33,6 @@ through this loop; the server calls the same `step` from its engine thread.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -77,7 +76,9 @@ class StepInfo:
     join_seconds: the part of prefill_seconds spent moving finished prefills into the batch (target cache and
     drafter state). prefill_slots: the prefill pass's prefilling rows × its width (prefill_tokens plus padding).
     asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
-    context (admitted or running while it slept), which verify no drafts.
+    context (admitted or running while it slept), which verify no drafts. planned: the scheduler computed
+    survivals and planned the round (an adaptive one skips planning where it does not pay, `plan_pays`, and
+    then verifies every available draft).
     """
 
     batch: int
@@ -102,6 +103,7 @@ class StepInfo:
     prefill_slots: int = 0
     asleep: bool = False
     blind: int = 0
+    planned: bool = False
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -612,13 +614,18 @@ class Engine:
         draft_seconds = time.perf_counter() - start
         available = block.lengths.tolist()
         theta = capacity = signals = None
-        if drafted and (self.config.record_signals or self.online_calibration is not None):
+        planned = drafted and sched.kind not in ("fixed", "none")
+        skipped = planned and not sched.plan_pays(available, self.cost_model, self.config.token_budget)
+        if skipped:  # planning would cost more than it is expected to gain: verify the whole block
+            planned = False
+            block = block.truncate(sched.full_plan(available, self.cost_model, self.config.token_budget).lengths)
+        if drafted and (self.config.record_signals or (self.online_calibration is not None and not skipped)):
             from dspark.calibration.signals import block_signals
 
             q = self.config.record_signals or reads_q(getattr(self.drafter, "calibration", None),
                                                       self.online_calibration)
             signals = block_signals(block, sampling.greedy, q=q)
-        if drafted and sched.kind not in ("fixed", "none"):
+        if planned:
             survival = None
             if sched.needs_survival:
                 survival = survival_for(self.drafter, block, sampling, [p.temperature for p in params], signals,
@@ -627,7 +634,7 @@ class Engine:
                               [req.seq for req in rows])
             block = block.truncate(plan.lengths)
             theta, capacity = plan.expected_throughput, plan.capacity
-        elif drafted:
+        elif drafted and sched.kind in ("fixed", "none"):
             block = block.truncate(sched.plan(None, available, self.cost_model, self.config.token_budget).lengths)
         lens = block.lengths.tolist()
         schedule_seconds = time.perf_counter() - start - draft_seconds
@@ -659,14 +666,18 @@ class Engine:
                 feats = None if out.features is None else out.features[torch.tensor(sighted, device=device)]
                 self.drafter.observe(RoundOutcome([res.tokens[r] for r in sighted], [res.accepted[r] for r in sighted],
                                                   feats))
-        if self.online_calibration is not None and signals is not None:
-            deferred = getattr(self.online_calibration, "deferred_refits", None)  # refit once per step at most
-            with deferred() if deferred is not None else contextlib.nullcontext():
-                for r, req in enumerate(rows):  # the verified prefix labels positions 1..ℓ (admission read signals)
-                    if lens[r] > 0:
-                        self.online_calibration.observe(signals[r, : lens[r]], lens[r], res.accepted[r],
-                                                        params[r].greedy, workload=req.workload, request_id=req.seq,
-                                                        temperature=params[r].temperature)
+        observe_start = time.perf_counter()
+        if self.online_calibration is not None and signals is not None and not skipped:
+            # the verified prefix labels positions 1..ℓ (admission read signals); one call per step, one refit
+            kept = [r for r in range(len(rows)) if lens[r] > 0]
+            if kept:
+                self.online_calibration.observe_step(
+                    signals[kept] if len(kept) < len(rows) else signals, [lens[r] for r in kept],
+                    [res.accepted[r] for r in kept], [params[r].greedy for r in kept],
+                    [rows[r].workload for r in kept], [rows[r].seq for r in kept],
+                    [params[r].temperature for r in kept])
+        if planned:  # what planning cost this step, for `plan_pays`
+            sched.observe_own_work(schedule_seconds + time.perf_counter() - observe_start)
         seconds = time.perf_counter() - start
         tokens = step_tokens(lens, self.layout)
         predicted = None
@@ -685,7 +696,7 @@ class Engine:
                         draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
                         target_seconds=target_seconds, predicted_seconds=predicted, kv_slots=kv_slots,
                         kv_live=kv_live, asleep=self._asleep,
-                        blind=sum(req.seq in self._blind for req in rows) if self._blind else 0)
+                        blind=sum(req.seq in self._blind for req in rows) if self._blind else 0, planned=planned)
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         return (req.stop_token_ids or frozenset()) | (frozenset() if req.ignore_eos else self.eos)
