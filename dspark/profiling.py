@@ -527,10 +527,12 @@ def plot_profile(profile: StepProfile, path: str | Path) -> Path:
         ns = np.array([n for n, _ in cells])
         secs = np.array([s for _, s in cells])
         reps = meta.get("drafted_times", {}).get(str(b), {})
-        lo = np.array([secs[i] - min(reps.get(str(n), [secs[i]])) for i, n in enumerate(ns)])
-        hi = np.array([max(reps.get(str(n), [secs[i]])) - secs[i] for i, n in enumerate(ns)])
-        left.errorbar(ns, secs * 1e3, yerr=[lo * 1e3, hi * 1e3], color=color, marker="o", ms=3, capsize=2,
-                      label=f"B={b}")
+        med = np.array([float(np.median(reps[str(n)])) if reps.get(str(n)) else secs[i] for i, n in enumerate(ns)])
+        lo = np.array([med[i] - min(reps.get(str(n), [med[i]])) for i, n in enumerate(ns)])
+        hi = np.array([max(reps.get(str(n), [med[i]])) - med[i] for i, n in enumerate(ns)])
+        left.errorbar(ns, med * 1e3, yerr=[lo * 1e3, hi * 1e3], color=color, marker="o", ms=3, capsize=2,
+                      ls="none")
+        left.plot(ns, secs * 1e3, color=color, label=f"B={b}")
         if b in cost.plain:
             left.plot([b], [cost.plain[b] * 1e3], marker="*", ms=12, color=color, mec="black", ls="none")
             right.plot(ns / b - 1, secs / cost.plain[b], color=color, marker="o", ms=3, label=f"B={b}")
@@ -541,7 +543,7 @@ def plot_profile(profile: StepProfile, path: str | Path) -> Path:
     left.xaxis.set_major_formatter(plain_numbers)
     left.yaxis.set_major_formatter(plain_numbers)
     left.set(xlabel="query tokens per step N = B·(1+ℓ)", ylabel="ms per step",
-             title="step time (median, bars: min–max of repeats)")
+             title="step time (line: the cost table; dots: medians, bars: min–max of repeats)")
     right.axhline(1.0, color="grey", lw=0.8, ls="--")
     right.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     right.set(xlabel="drafts verified per request ℓ", ylabel="step time / plain step (same B)",

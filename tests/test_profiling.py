@@ -21,6 +21,7 @@ from dspark.profiling import (
     profile_steps,
 )
 from dspark.sampling import BatchSampling, SamplingParams
+from dspark.scheduling import CostModel
 from dspark.target import CausalLM
 from tests.conftest import tiny_qwen3
 
@@ -230,3 +231,13 @@ def test_an_engine_that_ran_does_not_change_the_drafters_fingerprint(qwen3_targe
     before = fingerprint_for(qwen3_target, drafter, "ngram")
     Engine(qwen3_target, drafter, "fixed", config=EngineConfig(record_signals=True))
     assert "report_peaks" in vars(drafter) and fingerprint_for(qwen3_target, drafter, "ngram") == before
+
+
+def test_plot_of_a_fitted_row_below_its_repeats(tmp_path):
+    """A fitted row may pass below every repeat of a stalled cell: the plot draws the table as a line and the
+    medians with their repeats' range, so no error bar is negative."""
+    reps = {str(n): [0.010 + 0.001 * n + (0.02 if n == 3 else 0.0)] * 2 + [0.011 + 0.001 * n] for n in range(1, 9)}
+    profile = StepProfile(CostModel({1: [(n, 0.010 + 0.001 * n) for n in range(1, 9)]}, {1: 0.01}), {},
+                          {"drafted_times": {"1": reps}})
+    assert profile.cost.drafted[1][2][1] < min(reps["3"])
+    assert plot_profile(profile, tmp_path / "p.png").stat().st_size > 0
