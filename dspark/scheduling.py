@@ -590,6 +590,7 @@ class Scheduler:
         self.skipped_steps = 0
         self.plain_probes = 0
         self._advantage: dict[int, float] = {}  # per batch bucket: smoothed log(Θ of the plan / Θ of the full block)
+        self._full_seconds: dict[int, float] = {}  # per batch bucket: the full block's step cost at its last plan
         self._own_seconds: float | None = None  # smoothed seconds a planned step spends on planning
         self._unplanned = 0  # drafted steps since the last plan
         self.skipped_plans = 0
@@ -716,19 +717,19 @@ class Scheduler:
         cuts enough to earn it back (on a flat cost curve, where a longer block costs next to nothing). So the
         plan's expected advantage, log(Θ of the plan / Θ of the full block) under the step's survivals and
         costs, smoothed over planned steps of this batch size's bucket (1, 2, 3-4, 5-8, ...), is weighed
-        against its measured own work as a share of the full block's step, log(1 + own / cost): below it the
-        plan is skipped, for at most PLAN_REFRESH drafted steps in a row before one runs again. Never while
-        `unsure` (the gain that backs drafting off comes from plans) or before both are measured. Reads past
-        steps and the costs only: a skipped plan verifies what a fixed policy would (lossless).
+        against its measured own work as a share of the full block's step at the bucket's last plan,
+        log(1 + own / cost): below it the plan is skipped, for at most PLAN_REFRESH drafted steps in a row
+        before one runs again. Never while `unsure` (the gain that backs drafting off comes from plans) or
+        before both are measured. Reads past steps and the costs only: a skipped plan verifies what a fixed
+        policy would (lossless). Costs no cost-model lookup (a few dictionary reads).
         """
         if self.kind != "dspark" or cost is None or self._own_seconds is None or self.unsure:
             return True
-        lim = _as_numpy(limits, np.int64)
-        advantage = self._advantage.get(_bucket(len(lim)))
-        if advantage is None or self._unplanned >= self.PLAN_REFRESH or not len(lim):
+        key = _bucket(len(limits))
+        advantage = self._advantage.get(key)
+        if advantage is None or self._unplanned >= self.PLAN_REFRESH or not len(limits):
             return True
-        full = cost.cost(len(lim), step_tokens(cap_to_budget(lim, token_budget, cost.layout), cost.layout))
-        if advantage >= math.log1p(self._own_seconds / full):
+        if advantage >= math.log1p(self._own_seconds / self._full_seconds[key]):
             return True
         self._unplanned += 1
         self.skipped_plans += 1
@@ -744,11 +745,12 @@ class Scheduler:
         """Smooth log(Θ of the plan / Θ of the full block) into this batch bucket's advantage (`plan_pays`)."""
         full = cap_to_budget(lim, token_budget, cost.layout)
         reach = np.arange(a.shape[1])[None, :] < full[:, None]
-        theta_full = (len(lim) + float(a[reach].sum())) / cost.cost(len(lim), step_tokens(full, cost.layout))
-        advantage = math.log(max(theta, 1e-300) / max(theta_full, 1e-300))
+        seconds = cost.cost(len(lim), step_tokens(full, cost.layout))
+        advantage = math.log(max(theta, 1e-300) * seconds / max(len(lim) + float(a[reach].sum()), 1e-300))
         key = _bucket(len(lim))
         old = self._advantage.get(key)
         self._advantage[key] = advantage if old is None else old + self.PLAN_SMOOTHING * (advantage - old)
+        self._full_seconds[key] = seconds
         self._unplanned = 0
 
     def _predicted_to_pay(self, num_rows: int) -> bool:
