@@ -3,14 +3,16 @@
 A cell's median of a few repeats is noisy on a busy machine. On the 2-core CPU the B = 1 row's medians span
 12.4-16.3 ms while its slope is about 0.2 ms per token, and a bump reads to Algorithm 1 as a cost cliff that is
 not there: it cuts blocks short in front of it. A step's cost has the roofline's shape, flat while the pass is
-bound by reading the weights, then linear in the tokens (or steep for the first drafts, then shallower, where verifying any draft switches to a costlier path), so
-a row is fitted as two lines meeting at a knee k,
+bound by reading the weights, then linear in the tokens (or steep for the first draft, then shallower, where
+verifying any draft switches to a costlier path), so a row is fitted as two lines meeting at a knee k,
 
     seconds(N) = a + b1·(min(N, k) − N0) + b2·max(0, N − k),   b1, b2 ≥ 0,
 
-by least squares on the cell medians, over every knee k at an interior profiled N. The fit replaces the medians unless they depart from it by more than their noise explains: a real step (a kernel or
-tiling switch) fails a χ² test of the medians' residuals, scaled by their standard errors (from the repeats'
-median absolute deviation, pooled over the row), at its 99.9% point, and then the medians stay.
+on the cell medians, over every knee k at an interior profiled N, under Huber's loss so that one stalled cell
+does not bend it. The fit replaces the medians unless a real step (a kernel or tiling switch) departs from it:
+the medians' squared residuals in standard errors (from the repeats' median absolute deviation, pooled over
+the row), all but the largest (a real step moves every cell after it, a stall moves one), are summed and
+compared with the χ² distribution's 99.9% point; past it the medians stay.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-#: the χ² test's level: a row keeps its medians only when a smooth fit would be this unlikely
-LEVEL_Z = 3.090  # the standard normal's 99.9% point
+#: the step test's level, as the standard normal's point: 99.9%
+LEVEL_Z = 3.090
 #: Huber's constant (in standard errors): 95% efficiency under normal noise
 HUBER = 1.345
 #: the standard error of a median of n normal draws is this times σ / √n
@@ -36,9 +38,10 @@ def chi2_quantile(df: int, z: float = LEVEL_Z) -> float:
     return df * (1.0 - h + z * math.sqrt(h)) ** 3
 
 
-def _nonnegative_lstsq(x: np.ndarray, ys: np.ndarray, w: np.ndarray) -> np.ndarray | None:
-    """Weighted least squares of ys on [1, x] with every slope ≥ 0 (the best of the active sets)."""
-    best, best_sse = None, math.inf
+def _nonnegative_lstsq(x: np.ndarray, ys: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Fitted values of the weighted least squares of ys on [1, x] with every slope ≥ 0 (the best of the active
+    sets; the intercept alone is always one)."""
+    best, best_sse = np.full_like(ys, float((w * ys).sum() / w.sum())), math.inf
     root = np.sqrt(w)
     for free in itertools.product((True, False), repeat=x.shape[1]):
         cols = [np.ones_like(ys)] + [x[:, j] for j in range(x.shape[1]) if free[j]]
@@ -56,7 +59,7 @@ def _nonnegative_lstsq(x: np.ndarray, ys: np.ndarray, w: np.ndarray) -> np.ndarr
 def _two_slope_fit(ns: np.ndarray, ys: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Weighted least-squares continuous piecewise-linear a + b1·(min(N, k) − N0) + b2·max(0, N − k),
     b1, b2 ≥ 0, over knees k at the interior profiled N (one slope only where that fits best)."""
-    best, best_sse = None, math.inf
+    best, best_sse = np.full_like(ys, float((w * ys).sum() / w.sum())), math.inf
     for k in ns[1:-1]:
         x = np.stack([np.minimum(ns, k) - ns[0], np.maximum(0.0, ns - k)], axis=1)
         fit = _nonnegative_lstsq(x, ys, w)
