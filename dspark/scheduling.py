@@ -553,9 +553,11 @@ class Scheduler:
     drafting keeps not paying (up to `max_backoff`), then probe again; a back-off ends when the batch
     size moves over 2x away from the one it was decided at. A probe is skipped too while
     Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
-    the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload) still
-    predicts no gain at the current batch size and costs, so a batch where drafting never pays probes once
-    per `max_backoff` steps. An adaptive policy whose online-corrected cost model has measured drafted steps
+    the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload; corrected per
+    batch bucket by what probes there found) still predicts no gain at the current batch size and costs, so a
+    batch where drafting never pays probes once per `max_backoff` steps. That gate is read as soon as a probe
+    is within `wake_lead` steps, from the step that decides a back-off on, so a back-off where drafting does
+    not pay is `dormant` (the drafter may sleep) from its start. An adaptive policy whose online-corrected cost model has measured drafted steps
     runs one plain step (a plain probe) at a batch size whose plain steps it never measured, and, while
     `unsure`, when no plain step was measured in the model's last `stale_after` steps: its comparison then
     reads plain costs as measured under the same load.
@@ -579,12 +581,15 @@ class Scheduler:
         self.max_backoff = max_backoff
         self._skip = 0
         self._backoff = 4
+        self._ends: list[int] = []  # remaining back-off lengths at which probes skipped ahead would have come
         self._backoff_rows = 0  # the batch size at which the current back-off was decided
         self._gain: float | None = None
+        self._gain_rows = 0  # the batch size of the step that last replaced the smoothed gain
         self._probing = False
         self._since_probe = 0
         self._last_cost: CostModel | None = None
         self._last_mean: np.ndarray | None = None
+        self._gate_bias: dict[int, float] = {}  # per batch bucket: log-gain by which probes beat the typical row
         self._history: deque[dict[int, np.ndarray]] = deque(maxlen=2)
         self.drafted_steps = 0
         self.skipped_steps = 0
@@ -593,6 +598,7 @@ class Scheduler:
         self._full_seconds: dict[int, float] = {}  # per batch bucket: the full block's step cost at its last plan
         self._own_seconds: float | None = None  # smoothed seconds a planned step spends on planning
         self._unplanned = 0  # drafted steps since the last plan
+        self._gain_bucket = 0  # the batch bucket of the last planned step (where `_gain` was last updated)
         self.skipped_plans = 0
 
     @property
@@ -641,7 +647,7 @@ class Scheduler:
             # the back-off was decided at another load (over 2x apart, so that a batch hovering at its client
             # count does not reset it): drafting's worth changes with the batch size, so this batch is judged
             # afresh (a probe, unless the typical survivals predict no gain here either)
-            self._skip, self._backoff, self._probing, self._since_probe = 0, 4, True, 0
+            self._skip, self._backoff, self._probing, self._since_probe, self._ends = 0, 4, True, 0, []
             self._backoff_rows = num_rows
 
     def idle_step(self, num_rows: int) -> None:
@@ -655,18 +661,37 @@ class Scheduler:
             self._count_down(num_rows)
 
     def _count_down(self, num_rows: int) -> None:
-        """One skipped step of a back-off. Where a long back-off reaches its last `wake_lead` steps, the
-        probe it ends in is judged now rather than at its end: if the typical survivals predict no gain,
-        the back-off is extended at once, so a loop whose drafter sleeps (`dormant`) does not wake it for a
-        probe that would be skipped anyway."""
+        """One skipped step of a back-off. Its probe is judged ahead (`_look_ahead`); where a back-off skipped
+        that way would have ended, the typical survivals are read again, and if they now predict a gain (the
+        costs were corrected meanwhile) the back-off ends there, as it would have without the look-ahead."""
         self._skip -= 1
         self.skipped_steps += 1
-        if self._skip == self.wake_lead and self._probe_skippable(num_rows):
+        if self._ends and self._skip == self._ends[0]:  # `_ends` is in the order they come (descending)
+            self._ends.pop(0)
+            if self._predicted_to_pay(num_rows):
+                # probe now; or, where a drafter may sleep (`dormant`), after waking it `wake_lead` steps
+                # ahead, so that the rows joining meanwhile have its context by the probe
+                self._skip, self._ends = min(self._skip, self.wake_lead) if self.dormant else 0, []
+                return
+        if self._skip == self.wake_lead:
+            self._look_ahead(num_rows)
+
+    def _look_ahead(self, num_rows: int) -> None:
+        """Judge the probe that ends the back-off once it is at most `wake_lead` steps away, rather than at its
+        end: while the typical survivals predict no gain at this batch size, extend the back-off at once (4x
+        longer each time, up to the longest time without a probe). So a back-off decided where drafting does
+        not pay is known to be long from its first step, and a loop whose drafter sleeps (`dormant`) lets it
+        sleep from then on, and does not wake it for a probe that would be skipped anyway."""
+        while 0 < self._skip <= self.wake_lead and self._probe_skippable(num_rows):
             self._extend_backoff()
 
     def _extend_backoff(self) -> None:
-        """Skip the probe that ends the current back-off: add a back-off of its length, the next one 4x longer."""
+        """Skip the probe that ends the current back-off: add a back-off of its length, the next one 4x longer
+        (the skipped probe's place is kept in `_ends`, to be judged again when it comes)."""
         self._since_probe += self._backoff
+        self._ends = [end + self._backoff for end in self._ends]
+        if self._skip > 0:
+            self._ends.append(self._backoff)
         self._skip += self._backoff
         self._backoff = min(self.max_backoff, self._backoff * 4)
 
@@ -689,6 +714,7 @@ class Scheduler:
             self._extend_backoff()
             self._skip -= 1  # this step is the back-off's first
             self.skipped_steps += 1
+            self._look_ahead(num_rows)
             return False
         cost = self._last_cost
         if self.adaptive and cost is not None and cost.measured_recently(True) and (
@@ -720,14 +746,17 @@ class Scheduler:
         against its measured own work as a share of the full block's step at the bucket's last plan,
         log(1 + own / cost): below it the plan is skipped, for at most PLAN_REFRESH drafted steps in a row
         before one runs again. Never while `unsure` (the gain that backs drafting off comes from plans) or
-        before both are measured. Reads past steps and the costs only: a skipped plan verifies what a fixed
-        policy would (lossless). Costs no cost-model lookup (a few dictionary reads).
+        before both are measured, and never at a batch bucket other than the last planned step's (a skipped plan
+        does not update the gain that backs drafting off, and that gain changes with the batch size: a batch
+        that grew from 8 to 64 requests must find out at once that drafting stopped paying). Reads past steps
+        and the costs only: a skipped plan verifies what a fixed policy would (lossless). Costs no cost-model
+        lookup (a few dictionary reads).
         """
         if self.kind != "dspark" or cost is None or self._own_seconds is None or self.unsure:
             return True
         key = _bucket(len(limits))
         advantage = self._advantage.get(key)
-        if advantage is None or self._unplanned >= self.PLAN_REFRESH or not len(limits):
+        if advantage is None or self._unplanned >= self.PLAN_REFRESH or not len(limits) or key != self._gain_bucket:
             return True
         if advantage >= math.log1p(self._own_seconds / self._full_seconds[key]):
             return True
@@ -755,13 +784,33 @@ class Scheduler:
 
     def _predicted_to_pay(self, num_rows: int) -> bool:
         """Whether Algorithm 1 on the typical survival row of past drafted steps, repeated for `num_rows`
-        requests, beats plain decoding (survivals of finished steps only: non-anticipating)."""
+        requests, beats plain decoding, after the correction that probes at this batch bucket taught
+        (`_typical_gain`; survivals of finished steps only: non-anticipating)."""
         if self._last_cost is None or self._last_mean is None:
             return True
+        return self._typical_gain(num_rows, self._last_cost) + self._gate_bias.get(_bucket(num_rows), 0.0) >= 0
+
+    def _typical_gain(self, num_rows: int, cost: CostModel) -> float:
+        """log(Θ / Θ of plain decoding) of Algorithm 1 on the typical row repeated for `num_rows` requests."""
         a = np.repeat(self._last_mean[None, :], num_rows, axis=0)
-        limits = np.full(num_rows, a.shape[1])
-        _, theta = prefix_schedule(a, limits, self._last_cost)
-        return theta >= num_rows / self._last_cost.plain_cost(num_rows)
+        _, theta = prefix_schedule(a, np.full(num_rows, a.shape[1]), cost)
+        return math.log(max(theta, 1e-300) * cost.plain_cost(num_rows) / num_rows)
+
+    def _note_probe(self, num: int, theta: float, cost: CostModel) -> None:
+        """After a probe (the first drafted step after a back-off), learn how far its own expected gain fell from
+        what the typical row predicted at its batch size (before this step joined the row): the gate's
+        correction at this batch bucket. The typical row is a mean over steps of every batch size, and what it
+        predicts can be far off at one load (measured at 64 requests and temperature 1: it predicted a gain where
+        probes kept finding log-gains of -0.3 to -0.6, so a probe was paid for every few dozen steps). A probe
+        weighs like `num` single-request steps (weight 1 - (1 - SURVIVAL_SMOOTHING)^num): one probe of 64
+        requests nearly sets the correction, a hard step of one request hardly moves it."""
+        if not self._probing or self._last_mean is None or num == 0:
+            return
+        error = math.log(max(theta, 1e-300) * cost.plain_cost(num) / num) - self._typical_gain(num, cost)
+        key = _bucket(num)
+        weight = 1.0 - (1.0 - self.SURVIVAL_SMOOTHING) ** num
+        old = self._gate_bias.get(key, 0.0)
+        self._gate_bias[key] = old + weight * (error - old)
 
     def plan(self, survival, limits: Sequence[int], cost: CostModel | None = None, token_budget: int | None = None,
              request_ids: Sequence[int] | None = None) -> StepPlan:
@@ -796,34 +845,52 @@ class Scheduler:
             capacity, theta = best_capacity(old, lim, cost, token_budget)
             lengths = top_capacity(a, lim, capacity, cost, token_budget)
         self._last_cost = cost
-        if len(a):
-            mean = a.mean(0)
-            if self._last_mean is None or self._last_mean.shape != mean.shape:
-                self._last_mean = mean
-            else:
-                self._last_mean = self._last_mean + self.SURVIVAL_SMOOTHING * (mean - self._last_mean)
+        if self.adaptive:
+            self._note_probe(num, theta, cost)
+        self._note_typical(a, lim)
         self._after_plan(theta, cost.plain_cost(num), num)
         return StepPlan(lengths.tolist(), theta, capacity)
+
+    def _note_typical(self, a: np.ndarray, lim: np.ndarray) -> None:
+        """Smooth a drafted step's mean survival row into the typical row that gates probes. Position k
+        averages the rows that had a draft k available (a row near its token limit, or one without drafter
+        context, shows zeros there that say nothing of the workload); a position no row had keeps its value (zero
+        at first)."""
+        if not len(a) or not a.shape[1]:
+            return
+        seen = np.arange(a.shape[1])[None, :] < lim[:, None]
+        count = seen.sum(0)
+        mean = np.where(count > 0, (a * seen).sum(0) / np.maximum(count, 1), np.nan)
+        if self._last_mean is None or self._last_mean.shape != mean.shape:
+            typical = np.nan_to_num(mean, nan=0.0)
+        else:
+            typical = np.where(count > 0, self._last_mean + self.SURVIVAL_SMOOTHING * (mean - self._last_mean),
+                               self._last_mean)
+        self._last_mean = np.minimum.accumulate(typical)  # survival of a longer prefix is never higher
 
     def _after_plan(self, theta: float, plain_seconds: float, num: int) -> None:
         """Back off from drafting while the expected gain of drafting over plain decoding is negative.
 
         The gain is log(Θ_best / Θ_plain), smoothed over drafted steps (weight SMOOTHING) so one hard round does
-        not stop drafting; the first step after a pause (a probe) replaces the smoothed value.
+        not stop drafting; the first step after a pause (a probe) replaces the smoothed value, and so does a step
+        whose batch is over 2x away from the one where the value was last replaced (drafting's worth changes with
+        the load: a batch filling from 8 to 64 requests must not draft on at 64 on the strength of the gain at 8).
         """
         if not self.adaptive:
             return
         gain = math.log(max(theta, 1e-12) * plain_seconds / num)
-        if self._gain is None or self._probing:
-            self._gain = gain
+        self._gain_bucket = _bucket(num)
+        if self._gain is None or self._probing or not self._gain_rows / 2 <= num <= 2 * self._gain_rows:
+            self._gain, self._gain_rows = gain, num
         else:
             self._gain += self.SMOOTHING * (gain - self._gain)
         self._probing = False
         if self._gain < 0:
             self._backoff_rows = num
-            self._skip = self._backoff
+            self._skip, self._ends = self._backoff, []
             self._backoff = min(self.max_backoff, self._backoff * 4)
             self._probing = True
+            self._look_ahead(num)
         else:
             self._backoff = 4
 

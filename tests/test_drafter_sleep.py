@@ -44,6 +44,30 @@ def test_the_scheduler_turns_dormant_deep_in_a_back_off_and_counts_idle_steps() 
     assert not Scheduler("fixed", gamma=7).dormant
 
 
+def test_a_back_off_where_drafting_cannot_pay_is_dormant_from_its_first_step() -> None:
+    """The probes ending a back-off are judged as soon as they are within `wake_lead` steps, from the step that
+    decides it: where the typical survivals predict no gain at this batch size, the back-off is known to be
+    long at once, so the drafter sleeps from then on (it stayed awake through 4 + 16 + 64 steps before)."""
+    s = Scheduler("dspark", gamma=7)
+    survival = np.full((4, 7), 0.6).cumprod(1)
+    assert s.wants_drafts(4)
+    s.plan(survival, [7] * 4, pays_only_below(2))
+    assert s.dormant and s._skip > s.wake_lead
+    # where the typical survivals (smoothed over many steps) still predict a gain, a run of hard steps that
+    # turns the gain negative backs off for 4 steps, awake
+    dear = CostModel({b: [(n, 1.05 + 0.02 * (n - b)) for n in range(b, 8 * b + 1)] for b in (1, 2, 4, 8)},
+                     {b: 1.0 for b in (1, 2, 4, 8)}, "padded")
+    paying = Scheduler("dspark", gamma=7)
+    for _ in range(3):
+        paying.plan(np.full((4, 7), 0.9).cumprod(1), [7] * 4, dear)
+    hard = 0
+    while paying._skip == 0:
+        paying.plan(np.full((4, 7), 0.05).cumprod(1), [7] * 4, dear)
+        hard += 1
+        assert hard < 50
+    assert paying._skip == 4 and not paying.dormant
+
+
 def test_the_drafter_wakes_only_for_probes_that_run() -> None:
     """Where the typical survivals predict that drafting cannot pay, a long back-off's probe is skipped; that
     is decided where the back-off enters its last `wake_lead` steps, so every window in which a sleeping
@@ -136,3 +160,29 @@ def test_serve_switches_drafter_sleep_with_its_flag() -> None:
     assert engine_config(parse(["serve", "--no-drafter-sleep"])).drafter_sleep is False
     config = engine_config(parse(["serve", "--rate-guard", "--no-online-cost", "--max-running", "8"]))
     assert (config.rate_guard, config.online_cost, config.max_running, config.drafter_sleep) == (True, False, 8, True)
+
+
+def test_probes_that_refute_the_typical_row_close_the_gate_at_their_batch_size_only() -> None:
+    """The typical survival row is a mean over steps of every size; where probes at one batch size keep finding
+    much less than it predicts (measured: at 64 requests, temperature 1), the gate learns the gap per batch
+    bucket, weighted by the probe's rows, and stops paying for probes there (the drafter can sleep), while at
+    the batch size the row came from it still predicts a gain."""
+    cost = CostModel({b: [(n, 1.2 + 0.1 * (n / b - 1)) for n in range(b, 8 * b + 1, b)] for b in (1, 16)},
+                     {1: 1.0, 16: 1.0}, "padded")
+    high, low = np.full((1, 7), 0.9).cumprod(1), np.full((1, 7), 0.2).cumprod(1)
+    s = Scheduler("dspark", gamma=7)
+    for _ in range(40):
+        s.plan(high, [7], cost)
+    assert s._predicted_to_pay(16)  # the row from one-request steps predicts a gain at 16 too
+    probes, steps = 0, 4000
+    for _ in range(steps):
+        if s.dormant:  # the engine's step while the drafter sleeps
+            s.idle_step(16)
+            continue
+        if s.wants_drafts(16):
+            probes += 1
+            s.plan(np.repeat(low, 16, axis=0), [7] * 16, cost)
+    assert s._predicted_to_pay(1) and not s._predicted_to_pay(16)
+    # the back-offs of 4, 16, 64, 256 steps, then only the probes due once per 2 * max_backoff steps (without the
+    # correction the gate stays open at 16: a probe ends every back-off of 256, 19 in all)
+    assert probes <= 4 + steps // (2 * s.max_backoff) + 1

@@ -266,16 +266,20 @@ def test_async_budget_bounds_capacity_and_admission():
 
 
 def test_the_probe_prediction_reads_the_last_steps_mean_survival_per_position():
-    """At 3 rows drafting cannot pay (Θ0 = 3/1.1 < 3/1): the policy backs off for 4 steps. Then, at 2 rows (less
-    than 2x away, so the back-off holds), the last step's mean survivals per position (0.9, 0, 0) predict a
-    gain, so the probe is paid for."""
+    """At 3 rows drafting cannot pay (Θ0 = 3/1.1 < 3/1): the policy backs off, and as the typical survivals
+    predict no gain at 3 rows either, its probes are skipped ahead (dormant). Then, at 2 rows (less than 2x away,
+    so the back-off holds), where the first skipped probe would have come (4 steps), the last step's mean
+    survivals per position (0.9, 0, 0) predict a gain, so the probe is paid for, `wake_lead` steps later (a
+    sleeping drafter wakes first)."""
     cost = CostModel({2: [(2, 1.01), (3, 1.2), (4, 1.4), (5, 2.5), (6, 3.0), (7, 3.5), (8, 4.0)],
                       4: [(3, 1.1), (4, 1.6), (5, 2.1), (6, 2.6), (7, 3.1), (8, 3.6), (9, 4.1), (12, 5.6)]},
                      {2: 1.0, 4: 1.0}, "ragged")
     sched = Scheduler("dspark", gamma=3)
     assert sched.wants_drafts(3)
     assert sched.plan(np.array([[0.9, 0.0, 0.0]] * 3), [3, 3, 3], cost).lengths == [0, 0, 0]
-    assert [sched.wants_drafts(2) for _ in range(5)] == [False] * 4 + [True]
+    assert sched.dormant
+    wait = 4 + sched.wake_lead
+    assert [sched.wants_drafts(2) for _ in range(wait + 1)] == [False] * wait + [True]
 
 
 def test_async_admission_keeps_a_padded_budget_when_current_survivals_widen_the_step():

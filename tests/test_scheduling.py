@@ -175,8 +175,12 @@ def test_dspark_backs_off_when_drafting_does_not_pay_then_probes():
         for _ in range(20):  # beside the plain steps of the pause, which cost what the table says)
             cost.observe(1, n, 1.0, drafted=True)
             cost.observe(1, 1, 1.0, drafted=False)
+    assert s.dormant  # the back-off's probes were judged ahead: a sleeping drafter could sleep through them
     later = [s.wants_drafts(1) for _ in range(300)]
-    assert any(later)  # the next due probe is taken: drafting is predicted to pay again
+    # the next due probe is taken: drafting is predicted to pay again where the back-offs of 4, 16 and 64 steps
+    # that followed the drafted step would have ended without looking ahead (step 85); the policy was dormant
+    # there (a drafter may be asleep), so the probe comes `wake_lead` steps later, for the drafter to wake first
+    assert 40 + later.index(True) == 1 + 4 + 16 + 64 + s.wake_lead
 
 
 def test_a_few_hard_steps_do_not_lock_drafting_out():
@@ -632,6 +636,24 @@ def test_planning_is_skipped_where_it_cannot_earn_its_own_time_and_rerun_now_and
         assert other.plan_pays([4], flat)
 
 
+def test_planning_is_not_skipped_at_a_batch_size_whose_gain_was_not_just_measured():
+    """A skipped plan does not update the gain that backs drafting off, and that gain depends on the batch size:
+    where the batch moved to another bucket since the last plan (a batch filling from 1 to 4 requests), the
+    step plans, though planning was found not to pay at the new bucket before; once a plan ran there, it may
+    be skipped there again."""
+    gamma = 4
+    flat = CostModel({b: [(b * n, 1.0) for n in range(1, 6)] for b in (1, 4)}, {1: 2.0, 4: 2.0}, "padded")
+    high = np.array([[0.9, 0.8, 0.7, 0.6]])
+    sched = Scheduler("dspark", gamma)
+    sched.plan(np.repeat(high, 4, axis=0), [4] * 4, flat)
+    sched.plan(high, [4], flat)  # the last plan (and gain) at one request
+    sched.observe_own_work(0.01)
+    assert not sched.plan_pays([4], flat)  # the same bucket: skipped
+    assert sched.plan_pays([4] * 4, flat)  # planning does not pay at 4 either, but the gain is from 1 request
+    sched.plan(np.repeat(high, 4, axis=0), [4] * 4, flat)
+    assert not sched.plan_pays([4] * 4, flat) and sched.plan_pays([4], flat)
+
+
 def test_planning_is_not_skipped_while_drafting_is_in_doubt():
     """The gain that backs drafting off comes from plans: while it is small (`unsure`) every step plans."""
     cost = CostModel({1: [(n, 1.0) for n in range(1, 6)]}, {1: 0.6}, "padded")  # plain steps nearly as good
@@ -639,3 +661,42 @@ def test_planning_is_not_skipped_while_drafting_is_in_doubt():
     sched.plan(np.array([[0.5, 0.3, 0.1, 0.05]]), [4], cost)
     sched.observe_own_work(0.5)
     assert sched.unsure and sched.plan_pays([4], cost)
+
+
+def test_the_typical_survival_row_reads_only_positions_rows_could_draft():
+    """Rows without drafter context (limit 0) and rows near their token limit show zero survival past what they
+    could draft; the typical row that gates probes averages each position over the rows that had it, so a step
+    with many such rows does not talk the policy out of probing."""
+    cost = uniform_cost_model(gamma=4, batches=(4,), per_token=0.05, layout="ragged")
+    row = np.array([0.9, 0.8, 0.7, 0.6])
+    s = Scheduler("dspark", gamma=4)
+    a = np.zeros((4, 4))
+    a[0], a[1, :2] = row, row[:2]  # row 1 could draft 2, rows 2-3 nothing
+    s.plan(a, [4, 2, 0, 0], cost)
+    assert np.allclose(s._last_mean, row)
+    b = np.zeros((4, 4))
+    b[:, :2] = 0.5  # every row could draft only 2: positions 3-4 keep their value (no row had them)
+    s.plan(b, [2, 2, 2, 2], cost)
+    w = Scheduler.SURVIVAL_SMOOTHING
+    expected = np.minimum.accumulate([0.9 + w * (0.5 - 0.9), 0.8 + w * (0.5 - 0.8), 0.7, 0.6])
+    assert np.allclose(s._last_mean, expected)
+
+
+def test_the_gain_is_measured_afresh_when_the_batch_moves_over_2x():
+    """The smoothed gain that backs drafting off is load-dependent: a batch that filled from 4 to 16 requests
+    replaces it with the first step's own gain there instead of averaging it into the gain at 4 (which kept
+    a filling batch drafting for several steps after drafting had stopped paying)."""
+    gamma = 4
+    # drafting nearly free below 8 requests; at 16 the drafter alone costs 0.3 plain steps, each draft one more
+    cells = {b: [(b * n, 1.0 + 0.02 * (n - 1) if b < 8 else 1.3 + (n - 1)) for n in range(1, gamma + 2)]
+             for b in (4, 8, 16)}
+    cost = CostModel(cells, {b: 1.0 for b in cells}, "padded")
+    good = np.full((1, gamma), 0.9).cumprod(1)
+    s = Scheduler("dspark", gamma)
+    for _ in range(10):
+        s.plan(np.repeat(good, 4, axis=0), [gamma] * 4, cost)
+    assert s._gain > 0.5 and s._skip == 0
+    s.plan(np.repeat(good, 6, axis=0), [gamma] * 6, cost)  # 6 rows: within 2x of 4, smoothed
+    assert s._gain > 0.5 and s._skip == 0
+    s.plan(np.repeat(good, 16, axis=0), [gamma] * 16, cost)  # 16 rows: drafting costs more than it gains
+    assert s._gain < 0 and s._skip > 0  # backed off at once
