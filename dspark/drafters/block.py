@@ -4,7 +4,8 @@ One round: the block [anchor, mask × (γ−1)] at positions p..p+γ−1 attends
 (projected target features of every accepted token before the anchor) in one parallel pass; the
 drafts are then sampled left to right, each slot's logits corrected by the sequential head from the
 token sampled at the slot before. After verification the features of the anchor and the accepted
-drafts are appended to the context cache; the bonus token becomes the next anchor.
+drafts are queued for the context cache (projected into it by the next round that drafts, every queued
+round in one pass); the bonus token becomes the next anchor.
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ class BlockDrafter(Drafter):
         self.lm_head = target.model.get_output_embeddings()
         self.feature_layers = tuple(self.cfg.target_layer_ids)
         self.ctx = ContextCache()
+        #: rounds observed but not yet projected into `ctx`: (features [R, w, F], counts [R]) in round order
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def gamma(self) -> int:
@@ -99,6 +102,7 @@ class BlockDrafter(Drafter):
     def reset(self) -> None:
         """Drop every row's context."""
         self.ctx = ContextCache()
+        self._pending = []
 
     def join(self, prompts, prefill_features) -> None:
         """Add rows whose context cache holds the prefill features (every prompt token but the last)."""
@@ -108,19 +112,48 @@ class BlockDrafter(Drafter):
         fresh = ContextCache()
         self._append_context(prefill_features, counts, fresh)
         self.ctx.extend(fresh)
+        joined = len(prompts)  # the new rows have nothing pending
+        self._pending = [(torch.cat([f, f.new_zeros(joined, *f.shape[1:])]), torch.cat([c, c.new_zeros(joined)]))
+                         for f, c in self._pending]
 
     def observe(self, outcome: RoundOutcome) -> None:
-        """Append the features of each row's anchor and accepted drafts to the context."""
+        """Queue the features of each row's anchor and accepted drafts for the context. They are projected at
+        the next `propose`, all rounds since the last one in one pass: a round that drafts nothing (a back-off,
+        a plain probe) costs the drafter no pass of its own."""
         counts = [a + 1 for a in outcome.accepted]
-        features = outcome.features[:, : max(counts)]  # slots no row keeps are not projected
-        self._append_context(features, torch.tensor(counts, dtype=torch.long, device=features.device))
+        features = outcome.features[:, : max(counts)]  # slots no row keeps are not queued
+        self._pending.append((features, torch.tensor(counts, dtype=torch.long, device=features.device)))
+
+    def _flush(self) -> None:
+        """Project the queued rounds into the context: each row's queued tokens packed in order, one pass."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if len(pending) == 1:
+            self._append_context(*pending[0])
+            return
+        totals = torch.stack([c for _, c in pending]).sum(0)
+        first = pending[0][0]
+        packed = first.new_zeros(first.shape[0], max(1, int(totals.max())), first.shape[2])
+        offset = torch.zeros_like(totals)
+        for features, counts in pending:
+            rows, slots = (torch.arange(features.shape[1], device=counts.device).view(1, -1)
+                           < counts.view(-1, 1)).nonzero(as_tuple=True)
+            packed[rows, offset[rows] + slots] = features[rows, slots]
+            offset += counts
+        self._append_context(packed, totals)
 
     def select(self, rows: Sequence[int]) -> None:
-        """Drop finished rows from the context cache."""
+        """Drop finished rows from the context cache (and from what is queued for it)."""
         self.ctx.select(rows)
+        if self._pending:
+            idx = torch.as_tensor(list(rows), dtype=torch.long, device=self._pending[0][1].device)
+            self._pending = [(f[idx], c[idx]) for f, c in self._pending]
 
     def propose_rows(self, rows, sequences, sampling: BatchSampling, generators) -> DraftBlock:
-        """`propose` over a copy of the given rows' context (`propose` itself changes no state)."""
+        """`propose` over a copy of the given rows' context (`propose` changes no state beyond projecting the
+        queued rounds into the context, which `propose_rows` does first for every row)."""
+        self._flush()
         full = self.ctx
         self.ctx = full.subset(rows)
         try:
@@ -131,6 +164,7 @@ class BlockDrafter(Drafter):
     @torch.no_grad()
     def block_hidden(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Final-normed hidden states [R, γ_block, d] of the block after each sequence's last token."""
+        self._flush()
         device = self.ctx.valid.device
         num_rows, width = len(sequences), self.cfg.block_size
         pad = [self.cfg.mask_token_id] * (width - 1)

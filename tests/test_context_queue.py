@@ -1,0 +1,62 @@
+"""A block drafter queues each round's features and projects them at its next draft: the same context as
+projecting every round at once, through rows leaving and joining in between."""
+from __future__ import annotations
+
+import torch
+
+import dspark
+
+
+def _rows(drafter) -> list[list[torch.Tensor]]:
+    """Each row's valid context keys of every layer, in slot order."""
+    ctx = drafter.ctx
+    return [[k[r][:, ctx.valid[r]] for k, _ in ctx.kv] for r in range(ctx.valid.shape[0])]
+
+
+def test_queued_rounds_project_to_the_same_context_as_eager_ones(bundled_target) -> None:
+    lazy = dspark.load_drafter("dspark", bundled_target)
+    eager = dspark.load_drafter("dspark", bundled_target)
+    dim = len(lazy.feature_layers) * int(bundled_target.model.config.hidden_size)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1] * n for n in (5, 9, 3)]
+    prefill = torch.randn(3, 9, dim, generator=gen)
+    for d in (lazy, eager):
+        d.join(prompts, prefill)
+
+    def round_(rows: int, counts: list[int]) -> None:
+        features = torch.randn(rows, 8, dim, generator=gen)
+        c = torch.tensor(counts)
+        lazy.observe(dspark.drafters.base.RoundOutcome([[0] * n for n in counts], [n - 1 for n in counts], features))
+        eager._append_context(features[:, : max(counts)], c)
+
+    round_(3, [1, 4, 2])
+    round_(3, [8, 1, 1])
+    assert lazy._pending and len(lazy._pending) == 2
+    for d in (lazy, eager):
+        d.select([2, 0])  # row 1 leaves: rows from the end fill its place
+    round_(2, [3, 5])
+    more = torch.randn(1, 6, dim, generator=gen)
+    for d in (lazy, eager):
+        d.join([[1] * 7], more)  # a row joins with nothing queued
+    round_(3, [2, 1, 6])
+    lazy._flush()
+    assert not lazy._pending
+    assert torch.equal(lazy.ctx.lengths, eager.ctx.lengths)
+    for got, want in zip(_rows(lazy), _rows(eager)):
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, atol=1e-5)
+
+
+def test_a_round_that_drafts_nothing_costs_the_drafter_no_pass(bundled_target) -> None:
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    dim = len(drafter.feature_layers) * int(bundled_target.model.config.hidden_size)
+    drafter.join([[1] * 4, [1] * 6], torch.randn(2, 6, dim))
+    calls = []
+    original = drafter.model.context_kv
+    drafter.model.context_kv = lambda *a, **k: calls.append(1) or original(*a, **k)
+    for _ in range(5):
+        drafter.observe(dspark.drafters.base.RoundOutcome([[0], [0]], [0, 0], torch.randn(2, 1, dim)))
+    assert calls == []  # queued, not projected
+    drafter.propose([[1] * 9, [1] * 11], dspark.sampling.BatchSampling.from_params(
+        [dspark.sampling.SamplingParams()] * 2, bundled_target.device), [None, None])
+    assert calls == [1]  # five rounds in one pass, before drafting
