@@ -58,8 +58,8 @@ class StepProfile:
     """A profiled cost table, the fingerprint of the setup it was measured on, and the raw repeat times.
 
     meta holds gamma, batches, warmup, reps, context_len, prompt_source, seconds (profiling wall time),
-    plain_times {B: [s, ...]} and drafted_times {B: {N: [s, ...]}} (the repeats behind each cell), smoothed_rows [B, ...] (the rows fitted
-    by `dspark.cost_fit.fit_row` rather than kept as medians).
+    plain_times {B: [s, ...]} and drafted_times {B: {N: [s, ...]}} (the repeats behind each cell), and
+    smoothed_rows [B, ...] (the rows fitted by `dspark.cost_fit.fit_row` rather than kept as medians).
     """
 
     cost: CostModel

@@ -557,8 +557,8 @@ class Scheduler:
     batch bucket by what probes there found) still predicts no gain at the current batch size and costs, so a
     batch where drafting never pays probes once per `max_backoff` steps. That gate is read as soon as a probe
     is within `wake_lead` steps, from the step that decides a back-off on, so a back-off where drafting does
-    not pay is `dormant` (the drafter may sleep) from its start. An adaptive policy whose online-corrected cost model has measured drafted steps
-    runs one plain step (a plain probe) at a batch size whose plain steps it never measured, and, while
+    not pay is `dormant` (the drafter may sleep) from its start. An adaptive policy whose online-corrected
+    cost model has measured drafted steps runs one plain step (a plain probe) at a batch size whose plain steps it never measured, and, while
     `unsure`, when no plain step was measured in the model's last `stale_after` steps: its comparison then
     reads plain costs as measured under the same load.
     """
@@ -794,9 +794,9 @@ class Scheduler:
         """log(Θ / Θ of plain decoding) of Algorithm 1 on the typical row repeated for `num_rows` requests."""
         a = np.repeat(self._last_mean[None, :], num_rows, axis=0)
         _, theta = prefix_schedule(a, np.full(num_rows, a.shape[1]), cost)
-        return math.log(max(theta, 1e-300) * cost.plain_cost(num_rows) / num_rows)
+        return _log_gain(theta, cost.plain_cost(num_rows), num_rows)
 
-    def _note_probe(self, num: int, theta: float, cost: CostModel) -> None:
+    def _note_probe(self, num: int, gain: float, cost: CostModel) -> None:
         """After a probe (the first drafted step after a back-off), learn how far its own expected gain fell from
         what the typical row predicted at its batch size (before this step joined the row): the gate's
         correction at this batch bucket. The typical row is a mean over steps of every batch size, and what it
@@ -806,7 +806,7 @@ class Scheduler:
         requests nearly sets the correction, a hard step of one request hardly moves it."""
         if not self._probing or self._last_mean is None or num == 0:
             return
-        error = math.log(max(theta, 1e-300) * cost.plain_cost(num) / num) - self._typical_gain(num, cost)
+        error = gain - self._typical_gain(num, cost)
         key = _bucket(num)
         weight = 1.0 - (1.0 - self.SURVIVAL_SMOOTHING) ** num
         old = self._gate_bias.get(key, 0.0)
@@ -845,10 +845,11 @@ class Scheduler:
             capacity, theta = best_capacity(old, lim, cost, token_budget)
             lengths = top_capacity(a, lim, capacity, cost, token_budget)
         self._last_cost = cost
+        gain = _log_gain(theta, cost.plain_cost(num), num)
         if self.adaptive:
-            self._note_probe(num, theta, cost)
+            self._note_probe(num, gain, cost)
         self._note_typical(a, lim)
-        self._after_plan(theta, cost.plain_cost(num), num)
+        self._after_plan(gain, num)
         return StepPlan(lengths.tolist(), theta, capacity)
 
     def _note_typical(self, a: np.ndarray, lim: np.ndarray) -> None:
@@ -868,7 +869,7 @@ class Scheduler:
                                self._last_mean)
         self._last_mean = np.minimum.accumulate(typical)  # survival of a longer prefix is never higher
 
-    def _after_plan(self, theta: float, plain_seconds: float, num: int) -> None:
+    def _after_plan(self, gain: float, num: int) -> None:
         """Back off from drafting while the expected gain of drafting over plain decoding is negative.
 
         The gain is log(Θ_best / Θ_plain), smoothed over drafted steps (weight SMOOTHING) so one hard round does
@@ -878,7 +879,6 @@ class Scheduler:
         """
         if not self.adaptive:
             return
-        gain = math.log(max(theta, 1e-12) * plain_seconds / num)
         self._gain_bucket = _bucket(num)
         if self._gain is None or self._probing or not self._gain_rows / 2 <= num <= 2 * self._gain_rows:
             self._gain, self._gain_rows = gain, num
@@ -893,6 +893,11 @@ class Scheduler:
             self._look_ahead(num)
         else:
             self._backoff = 4
+
+
+def _log_gain(theta: float, plain_seconds: float, num_rows: int) -> float:
+    """log(Θ / Θ of plain decoding): the expected gain of a step of `num_rows` requests over a plain one."""
+    return math.log(max(theta, 1e-12) * plain_seconds / num_rows)
 
 
 def _bucket(num_rows: int) -> int:
