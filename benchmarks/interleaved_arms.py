@@ -1,7 +1,8 @@
 """Scheduler arms side by side in one process: paired blocks of the same requests, so drift and content cancel.
 
     python benchmarks/interleaved_arms.py --arms dspark fixed:7 [--concurrency 1] [--temperature 1]
-        [--blocks 16] [--block-requests 4] [--warmup 1] [--online-calibration] [--profile FILE] [--out FILE]
+        [--blocks 16] [--block-requests 4] [--warmup 1] [--length-spread 0] [--online-calibration] [--profile FILE]
+        [--out FILE]
 
 Every arm gets its own engine (its own target and drafter instances, the same weights). A block is the next
 `--block-requests` × concurrency held-out prompts (the same prompts and seeds for every arm); each arm in
@@ -14,7 +15,14 @@ interval over blocks. On this 2-core machine cells of two separate runs swing by
 apart share the machine's state and the prompts' difficulty. A block's last requests run below the
 concurrency while it drains, the same for every arm. `--online-calibration` gives the adaptive arms the
 online calibrator `dspark serve` runs with (an arm's `+online` / `+offline` suffix overrides it,
-so one run can compare both); `--warmup` blocks run first and are not counted.
+so one run can compare both; `+unfused` runs every prefill chunk in a pass of its own instead of in the
+round's, `EngineConfig.fuse_prefill`); `--warmup` blocks run first and are not counted.
+
+`--length-spread s` draws each request's length from [(1 - s), (1 + s)] × max_tokens by its seed, as
+`serve_sweep.py` does (the same lengths for every arm). With one length for all, the requests of an arm that
+never drafts finish in lockstep and their successors share a few prefill passes, while a drafting arm's finish
+at different steps and join one by one, each prefill pass paying the pass's fixed cost: an advantage of the
+benchmark, not of serving, where lengths differ.
 """
 from __future__ import annotations
 
@@ -25,6 +33,9 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_sweep import request_length  # noqa: E402
 
 from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model
 from dspark.drafters.base import drafter_gamma
@@ -49,13 +60,16 @@ class Arm:
     """One scheduler's engine, serving blocks of requests in a closed loop of `concurrency` running ones."""
 
     def __init__(self, spec: str, drafter_name: str, concurrency: int, temperature: float, max_tokens: int,
-                 profile: str | None, online: bool, cost: CostModel | None = None) -> None:
-        """cost: the step-cost model of an arm that needs one (default: `profile`, as `dspark serve` loads it)."""
+                 profile: str | None, online: bool, cost: CostModel | None = None, length_spread: float = 0.0
+                 ) -> None:
+        """cost: the step-cost model of an arm that needs one (default: `profile`, as `dspark serve` loads it).
+        length_spread: each request's length drawn around max_tokens by its seed (`serve_sweep.request_length`)."""
         self.spec = spec
-        name, _, flag = spec.partition("+")
-        if flag not in ("", "online", "offline"):
-            raise ValueError(f"arm {spec!r}: the suffix must be +online or +offline (the calibration it runs)")
-        online = flag == "online" or (online and flag != "offline")
+        name, *flags = spec.split("+")
+        if any(flag not in ("online", "offline", "unfused") for flag in flags):
+            raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs) "
+                             f"or +unfused (prefill chunks in passes of their own)")
+        online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
         scheduler = Scheduler(name, drafter_gamma(drafter))
@@ -68,9 +82,10 @@ class Arm:
             from dspark.calibration.online import OnlineCalibrator
 
             calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter))
-        self.engine = Engine(self.target, drafter, scheduler, cost, EngineConfig(max_running=concurrency),
+        self.engine = Engine(self.target, drafter, scheduler, cost, EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags),
                              calibrator)
-        self.concurrency, self.temperature, self.max_tokens = concurrency, temperature, max_tokens
+        self.concurrency, self.temperature = concurrency, temperature
+        self.lengths = argparse.Namespace(max_tokens=max_tokens, length_spread=length_spread)
 
     def serve(self, block: list[tuple[list[int], int]]) -> tuple[int, float]:
         """Serve a block of (prompt ids, seed) to completion; return (tokens committed, wall seconds)."""
@@ -81,7 +96,7 @@ class Arm:
             nonlocal running
             prompt, seed = pending.pop(0)
             self.engine.add(Request(prompt, SamplingParams(temperature=self.temperature, seed=seed),
-                                    max_tokens=self.max_tokens, ignore_eos=True))
+                                    max_tokens=request_length(self.lengths, seed), ignore_eos=True))
             running += 1
 
         while pending and running < self.concurrency:
@@ -108,6 +123,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--block-requests", type=int, default=4, help="requests per block, per running request")
     ap.add_argument("--warmup", type=int, default=1, help="blocks per arm before the counted ones")
+    ap.add_argument("--length-spread", type=float, default=0.0,
+                    help="request lengths uniform in [(1 - s), (1 + s)] x max-tokens, drawn by seed")
     ap.add_argument("--profile", default="benchmarks/results/serving/profile_cpu_epyc.json")
     ap.add_argument("--online-calibration", action="store_true")
     ap.add_argument("--out", default=None, help="write the report here (and its JSON beside it)")
@@ -116,7 +133,7 @@ def main() -> int:
         ap.error("need two arms or more and two blocks or more")
 
     arms = [Arm(spec, args.drafter, args.concurrency, args.temperature, args.max_tokens, args.profile,
-                args.online_calibration) for spec in args.arms]
+                args.online_calibration, length_spread=args.length_spread) for spec in args.arms]
     prompts = [encode_prompt(arms[0].target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
     size = args.block_requests * args.concurrency
     blocks = [[(prompts[i % len(prompts)], i) for i in range(b * size, (b + 1) * size)]
@@ -135,8 +152,9 @@ def main() -> int:
     first = args.arms[0]
     lines = [f"python benchmarks/interleaved_arms.py {' '.join(sys.argv[1:])}",
              f"{args.concurrency} concurrent requests, temperature {args.temperature:g}, drafter {args.drafter}, "
-             f"{args.blocks} blocks of {size} requests of {args.max_tokens} tokens per arm (order reversed every "
-             f"block)",
+             f"{args.blocks} blocks of {size} requests of {args.max_tokens} tokens"
+             + (f" (spread {args.length_spread:g})" if args.length_spread else "")
+             + " per arm (order reversed every block)",
              f"{'arm':<16} {'tokens/s':>9} {'ratio to ' + first:>22} {'95% interval':>16}"]
     summary = {"args": vars(args), "rates": rates, "ratios": {}}
     for spec in args.arms:

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dspark.kv_cache import HeadroomLayer, new_cache
+from dspark.packed import PackedGroup, PackedPass, disable_packing, enable_packing
 
 
 @dataclass
@@ -285,16 +286,8 @@ class CausalLM:
             self.compact()
 
     # ----------------------------------------------------------------- forward
-    @torch.no_grad()
-    def forward(self, new_tokens: Sequence[Sequence[int]], features: bool = False,
-                last_logits_only: bool = False) -> ForwardOutput:
-        """Append `new_tokens[r]` to row r (lengths may differ, 0 allowed) and return their outputs.
-
-        Output position j of row r is the model's prediction after the row's text up to and including
-        new_tokens[r][j]; positions past len(new_tokens[r]) are padding and meaningless. last_logits_only:
-        logits [B, 1, V] at each row's last new token only (the vocabulary projection of a prefill's other
-        positions is never read); features keep every position.
-        """
+    def _begin_pass(self, new_tokens: Sequence[Sequence[int]]) -> "_Pass":
+        """Check and lay out a pass appending `new_tokens[r]` to row r (compacting first where needed)."""
         if len(new_tokens) != self.batch_size:
             raise ValueError(f"got {len(new_tokens)} rows of tokens for a batch of {self.batch_size}")
         self._maybe_compact()
@@ -306,14 +299,8 @@ class CausalLM:
             if self.valid.shape[1] + width > self.max_width:
                 raise ValueError(f"a pass of {width} tokens after rows of up to {self.valid.shape[1]} would span "
                                  f"more than max_width={self.max_width} slots")
-        ids = torch.zeros(self.batch_size, width, dtype=torch.long)
-        for r, toks in enumerate(new_tokens):
-            if len(toks):
-                ids[r, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.long)
-        ids = ids.to(device)
         offsets = torch.arange(width, device=device).view(1, -1)
         new_valid = offsets < counts.view(-1, 1)
-        positions = self.lengths.view(-1, 1) + offsets
         mask = torch.cat([self.valid, new_valid], dim=1)
         # A row with no valid key at all would give NaN attention weights that poison the cache;
         # let its (padding) queries see their own slot instead. Those slots stay invalid afterwards.
@@ -323,24 +310,147 @@ class CausalLM:
             attn_mask[empty] = True
         if self.cache is None:
             self.cache = new_cache(self.model.config)
+        return _Pass(counts, width, new_valid, self.lengths.view(-1, 1) + offsets, mask, attn_mask)
+
+    def _end_pass(self, layout: "_Pass") -> None:
+        self.valid = layout.mask
+        self.lengths = self.lengths + layout.counts
+
+    def _features(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts, dim=-1).float()
+
+    @torch.no_grad()
+    def forward(self, new_tokens: Sequence[Sequence[int]], features: bool = False,
+                last_logits_only: bool = False) -> ForwardOutput:
+        """Append `new_tokens[r]` to row r (lengths may differ, 0 allowed) and return their outputs.
+
+        Output position j of row r is the model's prediction after the row's text up to and including
+        new_tokens[r][j]; positions past len(new_tokens[r]) are padding and meaningless. last_logits_only:
+        logits [B, 1, V] at each row's last new token only (the vocabulary projection of a prefill's other
+        positions is never read); features keep every position.
+        """
+        layout = self._begin_pass(new_tokens)
+        counts, width = layout.counts, layout.width
+        ids = torch.zeros(self.batch_size, width, dtype=torch.long)
+        for r, toks in enumerate(new_tokens):
+            if len(toks):
+                ids[r, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.long)
+        ids = ids.to(self.device)
         want = features and bool(self.feature_layers)
         hooked = want and self._layers is not None
         with capturing(self._layers, self.feature_layers) if hooked else nullcontext({}) as store:
             out = self.model(
                 input_ids=ids,
-                attention_mask=attn_mask.long(),
-                position_ids=positions,
+                attention_mask=layout.attn_mask.long(),
+                position_ids=layout.positions,
                 cache=self.cache,
                 use_cache=True,
                 output_hidden_states=want and not hooked,
                 **({"logits_to_keep": (counts - 1).clamp(min=0).view(-1, 1)} if last_logits_only else {}),
             )
         self.cache = out.cache
-        self.valid = mask
-        self.lengths = self.lengths + counts
+        self._end_pass(layout)
         feats = None
         if want:
-            parts = [store[i] for i in self.feature_layers] if hooked else \
-                [out.hidden_states[i + 1] for i in self.feature_layers]
-            feats = torch.cat(parts, dim=-1).float()
+            feats = self._features([store[i] for i in self.feature_layers] if hooked else
+                                   [out.hidden_states[i + 1] for i in self.feature_layers])
         return ForwardOutput(logits=out.logits.float(), features=feats)
+
+    @property
+    def packs(self) -> bool:
+        """Whether `forward_with` runs two wrappers' passes as one model call (else as two passes).
+
+        Decided once per model, on first use: the model must take the packed attention (`dspark.packed`), and a
+        packed call on two throwaway rows must give the logits their own padded passes give."""
+        flag = getattr(self.model, "_dspark_packs", None)
+        if flag is None:
+            flag = enable_packing(self.model) and self._packing_agrees()
+            if not flag:
+                disable_packing(self.model)
+            self.model._dspark_packs = flag
+        return flag
+
+    def _packing_agrees(self) -> bool:
+        probe = ([[1, 2, 3], [4]], [[5, 6]])
+        try:
+            a, b = self.empty_like(), self.empty_like()
+            a.reset(2)
+            b.reset(1)
+            a.forward([[7], [8, 9]])
+            ref_a, ref_b = a.empty_like(), b.empty_like()
+            ref_a.reset(2)
+            ref_a.forward([[7], [8, 9]])
+            ref_b.reset(1)
+            want_a, want_b = ref_a.forward(probe[0]).logits, ref_b.forward(probe[1], last_logits_only=True).logits
+            got_a, got_b = a._forward_packed(b, probe[0], probe[1], False)
+        except Exception:  # a model whose forward does not take a packed pass: two passes instead
+            return False
+        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(got_a.logits[0, :3], want_a[0, :3], atol=tol, rtol=tol)
+                    and torch.allclose(got_a.logits[1, :1], want_a[1, :1], atol=tol, rtol=tol)
+                    and torch.allclose(got_b.logits, want_b, atol=tol, rtol=tol))
+
+    @torch.no_grad()
+    def forward_with(self, other: "CausalLM", new_tokens: Sequence[Sequence[int]],
+                     other_tokens: Sequence[Sequence[int]], features: bool = False
+                     ) -> tuple[ForwardOutput, ForwardOutput]:
+        """`self.forward(new_tokens, features)` and `other.forward(other_tokens, features, last_logits_only=True)`
+        (a prefill chunk beside the running rows' verify blocks) as one model call where the model packs
+        (`packs`), as two passes otherwise. `other` must wrap the same model."""
+        if other.model is not self.model:
+            raise ValueError("forward_with needs two wrappers of the same model")
+        if not self.packs:
+            return (self.forward(new_tokens, features=features),
+                    other.forward(other_tokens, features=features, last_logits_only=True))
+        return self._forward_packed(other, new_tokens, other_tokens, features)
+
+    def _forward_packed(self, other: "CausalLM", new_tokens: Sequence[Sequence[int]],
+                        other_tokens: Sequence[Sequence[int]], features: bool
+                        ) -> tuple[ForwardOutput, ForwardOutput]:
+        device = self.device
+        layouts = [self._begin_pass(new_tokens), other._begin_pass(other_tokens)]
+        groups = []
+        for lm, lay in zip((self, other), layouts):
+            slots = lm.valid.shape[1] + lay.width
+            causal = torch.arange(slots, device=device).view(1, -1) \
+                <= (lm.valid.shape[1] + torch.arange(lay.width, device=device)).view(-1, 1)  # [width, slots]
+            mask = (lay.attn_mask.view(lm.batch_size, 1, 1, slots) & causal.view(1, 1, lay.width, slots))
+            groups.append(PackedGroup(lm.cache, lay.counts, lay.width, lay.new_valid.reshape(-1).nonzero().squeeze(1),
+                                      mask))
+        ids = torch.tensor([int(t) for toks in (new_tokens, other_tokens) for row in toks for t in row],
+                           dtype=torch.long, device=device).view(1, -1)
+        positions = torch.cat([lay.positions[lay.new_valid] for lay in layouts]).view(1, -1)
+        # logits at every token of this wrapper's rows and at the last new token of each of other's rows
+        ends = groups[0].tokens + torch.cumsum(layouts[1].counts, 0) - 1
+        keep = torch.cat([torch.arange(groups[0].tokens, device=device), ends[layouts[1].counts > 0]])
+        run = PackedPass(groups)
+        want = features and bool(self.feature_layers)
+        hooked = want and self._layers is not None
+        with run, capturing(self._layers, self.feature_layers) if hooked else nullcontext({}) as store:
+            out = self.model(input_ids=ids, position_ids=positions, cache=run, use_cache=True,
+                             output_hidden_states=want and not hooked, logits_to_keep=keep)
+        for lm, lay in zip((self, other), layouts):
+            lm._end_pass(lay)
+        logits = out.logits[0].float()
+        mine = groups[0].pad(logits[: groups[0].tokens])
+        theirs = logits.new_zeros(other.batch_size, 1, logits.shape[-1])
+        theirs[layouts[1].counts > 0, 0] = logits[groups[0].tokens :]
+        feats: list[torch.Tensor | None] = [None, None]
+        if want:
+            packed = self._features([store[i] for i in self.feature_layers] if hooked else
+                                    [out.hidden_states[i + 1] for i in self.feature_layers])[0]
+            feats = [groups[0].pad(packed[: groups[0].tokens]), groups[1].pad(packed[groups[0].tokens :])]
+        return ForwardOutput(mine, feats[0]), ForwardOutput(theirs, feats[1])
+
+
+@dataclass
+class _Pass:
+    """One pass's layout over a wrapper's rows: new tokens per row, padded width, which new slots are real,
+    each new token's position, the key-validity mask after the pass and the one attention uses."""
+
+    counts: torch.Tensor
+    width: int
+    new_valid: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    attn_mask: torch.Tensor

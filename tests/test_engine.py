@@ -422,3 +422,53 @@ def test_the_rate_guard_is_only_for_adaptive_schedulers_and_is_opt_in(bundled_ta
     assert Engine(bundled_target, dspark_drafter, "dspark-async", cost, on).rate_guard is not None
     assert Engine(bundled_target, dspark_drafter, "fixed", cost, on).rate_guard is None
     assert Engine(bundled_target, dspark_drafter, "dspark", cost).rate_guard is None  # off by default
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_joining_prompt_rides_in_the_running_rows_pass(fuse, bundled_target, dspark_drafter, prompts):
+    """Beside running requests a new prompt is fed in the round's own target pass (one model call in the
+    step, not two): its first token is committed in that step and it decodes from the next one. Unfused, the
+    step makes two calls and the request also runs that step's round."""
+    infos = []
+    engine = Engine(bundled_target, dspark_drafter, "fixed", config=EngineConfig(fuse_prefill=fuse),
+                    on_step=infos.append, eos_token_ids=frozenset())
+    running, joining = Request(prompts[0], max_tokens=30), Request(prompts[1], max_tokens=30)
+    engine.add(running)
+    engine.step()
+    assert bundled_target.packs  # (decided once per model, by a check of its own passes)
+    calls = []
+    hook = bundled_target.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        engine.add(joining)
+        outs = engine.step()
+    finally:
+        hook.remove()
+    assert len(calls) == (1 if fuse else 2)
+    step = infos[-1]
+    assert step.fused_prefill is fuse and step.batch == (1 if fuse else 2)
+    assert step.prefill_tokens == len(prompts[1])
+    new = {o.request.request_id: o.token_ids for o in outs}
+    assert len(new[joining.request_id]) == 1 if fuse else len(new[joining.request_id]) > 1
+    engine.step()
+    assert infos[-1].batch == 2  # both decode now
+    while engine.has_work:
+        engine.step()
+    for req, prompt in ((running, prompts[0]), (joining, prompts[1])):
+        ref = decode(bundled_target, NoDrafter(), [prompt], max_new_tokens=30, eos_token_ids=frozenset())
+        assert req.output_ids == ref[0].token_ids
+
+
+def test_fused_and_separate_prefill_commit_the_same_tokens(bundled_target, dspark_drafter, prompts):
+    """Staggered greedy and seeded sampled requests, chunked prompts (a small chunk budget): every request
+    commits the same tokens whether its prefill chunks ride in the rounds' passes or run in their own."""
+    outputs = []
+    for fuse in (True, False):
+        engine = Engine(bundled_target, dspark_drafter, "fixed",
+                        config=EngineConfig(max_running=4, prefill_chunk=12, fuse_prefill=fuse))
+        requests = mixed_requests(prompts, 10, seed=3)
+        fused = []
+        engine.on_step = lambda info, f=fused: f.append(info.fused_prefill)
+        run_staggered(engine, requests, [0, 0, 1, 2, 2, 4, 7, 7, 9, 12])
+        assert any(fused) is fuse
+        outputs.append([req.output_ids for req in requests])
+    assert outputs[0] == outputs[1]

@@ -155,6 +155,7 @@ def test_request_whose_drafting_raises_fails_alone(name, bundled_target, prompts
     requests = requests_for(prompts[:5], seed=7)
     bad = requests[2]
     bad.max_tokens = 30
+    requests[1].max_tokens = 30  # a neighbour still decoding when the fault comes (drafted in the same call)
     drafter = Raising(inner, starts_with(bad.prompt_ids, generated=4), after_inner=name in ("eagle3", "draft-model"))
     engine = Engine(bundled_target, drafter, "fixed", config=EngineConfig(max_running=4, prefill_chunk=32))
     at_failure: dict[int, int] = {}

@@ -35,3 +35,16 @@ def test_arms_serve_the_same_block_to_completion_at_their_concurrency() -> None:
 
 def test_t_quantiles() -> None:
     assert interleaved_arms.t95(1) == 12.71 and interleaved_arms.t95(11) == 2.23 and interleaved_arms.t95(100) == 1.96
+
+
+def test_length_spread_gives_every_arm_the_same_seeded_lengths() -> None:
+    arms = [interleaved_arms.Arm(spec, "dspark", 2, 0.0, 8, None, False,
+                                 uniform_cost_model(gamma=7, batches=(1, 2), layout="padded"), length_spread=0.5)
+            for spec in ("dspark", "none")]
+    prompts = [encode_prompt(arms[0].target, p) for p in ("def add(a, b):", "The sea is", "1 + 1 =", "Once")]
+    block = [(prompts[i], 10 + i) for i in range(4)]
+    lengths = [interleaved_arms.request_length(arms[0].lengths, seed) for _, seed in block]
+    assert all(4 <= n <= 12 for n in lengths) and len(set(lengths)) > 1  # drawn in [0.5, 1.5] x 8, not all equal
+    for arm in arms:
+        tokens, _ = arm.serve(block)
+        assert tokens == sum(lengths)

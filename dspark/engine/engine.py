@@ -4,13 +4,19 @@ Requests arrive (`add`) and leave (finish, `cancel`) at any time. Each `step()`:
 
 1. drop cancelled requests (their rows and memory go now);
 2. admit waiting requests while running rows, the per-step token budget and the KV budget allow;
-3. prefill a chunk of the joining requests' prompts in their own cache, one padded pass whose width feeds
-   the most prompt tokens per cost (while others are running, at most `prefill_chunk` slots, so a long
-   prompt never stalls them; `dspark.engine.prefill`); requests whose prompt is in commit their
-   first token, sampled from the prefill's last logits, and join the batch with it as their anchor;
+3. take the next chunk of the joining requests' prompts (kept in a cache of their own until they join;
+   while others are running at most `prefill_chunk` slots, so a long prompt never stalls them;
+   `dspark.engine.prefill`). With nothing running the chunk runs in a padded pass of its own, whose width
+   feeds the most prompt tokens per cost; beside running requests it rides in the round's target pass
+   (step 4: `CausalLM.forward_with` packs both batches' tokens into one model call where the target allows,
+   `EngineConfig.fuse_prefill`), so the step pays one pass's fixed cost, not two. Requests whose prompt is
+   in commit their first token, sampled from the prefill's last logits, and join the batch with it as their
+   anchor: at once when the chunk ran alone (they decode in this step's round), after the round when it
+   rode in it (they decode from the next step);
 4. one decoding round for every running request: one batched drafting call → calibrated survival a[r, k]
-   → the verification scheduler's ℓ_r → one target pass over the anchors and ℓ_r drafts → batched
-   verification → per-request commit and rollback → stop conditions → stream the committed tokens.
+   → the verification scheduler's ℓ_r → one target pass over the anchors and ℓ_r drafts (and the prefill
+   chunk) → batched verification → per-request commit and rollback → stop conditions → stream the
+   committed tokens.
 
 Faults stay with the requests they belong to. A drafting call that raises is retried row by row
 (`Drafter.propose_rows`, which leaves the drafter's state as it was): the rows that raise alone finish with
@@ -43,14 +49,14 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 
 from dspark.drafters.base import DraftBlock, Drafter, NoDrafter, RoundOutcome, drafter_gamma
-from dspark.engine.prefill import prefill_width
+from dspark.engine.prefill import fused_prefill_width, prefill_width
 from dspark.engine.rate_guard import RateGuard
 from dspark.engine.request import Request, RequestOutput, RoundStats
 from dspark.engine.survival import reads_q, survival_for
 from dspark.engine.text import TextStream
 from dspark.sampling import BatchSampling, SamplingParams, make_generator
 from dspark.scheduling import CostModel, Scheduler, step_tokens
-from dspark.target import CausalLM
+from dspark.target import CausalLM, ForwardOutput
 from dspark.verify import verify
 
 log = logging.getLogger("dspark.engine")
@@ -78,7 +84,8 @@ class StepInfo:
     asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
     context (admitted or running while it slept), which verify no drafts. planned: the scheduler computed
     survivals and planned the round (an adaptive one skips planning where it does not pay, `plan_pays`, and
-    then verifies every available draft).
+    then verifies every available draft). fused_prefill: the step's prefill chunk went through the round's target
+    pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone).
     """
 
     batch: int
@@ -104,6 +111,7 @@ class StepInfo:
     asleep: bool = False
     blind: int = 0
     planned: bool = False
+    fused_prefill: bool = False
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -145,7 +153,8 @@ class EngineConfig:
     padded to the widest, so admission counts every row at the longest reservation (prompt + max_tokens + one
     block) among them, and the cache compacts before a pass would widen it past that.
     prefill_chunk: slots (prefilling rows × the pass's width) one prefill pass may span while other requests
-    are decoding; the width maximises prompt tokens fed per cost (`dspark.engine.prefill`).
+    are decoding, the width maximising prompt tokens fed per cost; prompt tokens a chunk fused into the round's
+    pass may feed (`dspark.engine.prefill`).
     online_cost: correct the cost model from measured rounds, and teach it each step's overhead outside its
     round (prefill chunk, bookkeeping, the wait until the next step) against its rows and committed tokens;
     the fixed part of that fit is added to every cost so that Θ prices whole steps. record_signals: keep each
@@ -159,6 +168,8 @@ class EngineConfig:
     caught in the load sweep (docs/serving.md).
     drafter_sleep: with an adaptive scheduler and a drafter that reads target features, drop the drafter's
     per-request context while the scheduler is far into a back-off (`Scheduler.dormant`); see the module doc.
+    fuse_prefill: feed a prefill chunk beside running requests in the round's own target pass where the
+    target packs (`CausalLM.packs`), instead of in a pass of its own.
     """
 
     max_running: int = 64
@@ -172,6 +183,7 @@ class EngineConfig:
     draft_timeout: float | None = None
     rate_guard: bool = False
     drafter_sleep: bool = True
+    fuse_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk"):
@@ -312,10 +324,26 @@ class Engine:
         self._admit()
         prefill_start = time.perf_counter()
         self._join_seconds, self._prefill_slots = 0.0, 0
-        prefill_tokens = self._prefill(outputs)
+        # Beside running rows, the chunk rides in the round's target pass where the target packs (one pass's
+        # fixed cost instead of two): its rows join after the round and decode from the next step.
+        fused = bool(self.running) and self.config.fuse_prefill and self.target.packs
+        chunks = self._prefill_chunks(fused)
+        prefill_tokens = 0
+        if chunks is not None and not fused:
+            prefill_tokens = self._prefill(chunks, outputs)
         prefill_seconds = time.perf_counter() - prefill_start
-        info = self._decode_round(outputs) if self.running else None
+        side = chunks if fused else None
+        self._side_fed = False
+        info = self._decode_round(outputs, side) if self.running else None
+        if side is not None and not self._side_fed:  # the round ended before its pass: the chunk goes alone
+            prefill_start = time.perf_counter()
+            prefill_tokens = self._prefill(side, outputs)
+            prefill_seconds = time.perf_counter() - prefill_start
+        elif side is not None:  # fed in the round's pass: what is left outside it is the join
+            prefill_tokens, prefill_seconds = sum(len(c) for c in side), self._join_seconds
+            self._prefill_slots = prefill_tokens
         if info is not None:
+            info.fused_prefill = self._side_fed
             info.prefill_tokens, info.prefill_seconds = prefill_tokens, prefill_seconds
             info.join_seconds, info.prefill_slots = self._join_seconds, self._prefill_slots
             info.step_seconds, info.started = time.perf_counter() - start, start
@@ -419,25 +447,34 @@ class Engine:
             self.prefill_lm.add_rows(admitted)
             self._limit_width()
 
-    def _prefill(self, outputs: list[RequestOutput]) -> int:
-        """Prefill one chunk of the joining prompts. A prompt whose last token is in gives the request its first
-        token, sampled from the prefill's last logits as a verify pass without drafts samples (the request's own
-        sampling and generator), committed and streamed at once; that token is the first round's anchor, so
-        every round drafts from an answer token, as the drafters were trained to."""
+    def _prefill_chunks(self, fused: bool) -> list[list[int]] | None:
+        """The next chunk of each joining prompt (None: nothing to feed). While others are running a chunk
+        spans at most `prefill_chunk` slots (a separate pass, `prefill_width`) or prompt tokens (a pass fused
+        with the round's, `fused_prefill_width`: it pays no fixed cost of its own and computes no padding);
+        under a KV budget a pass may not widen the prefill cache past its limit, even after compaction (which
+        leaves the longest row's slots): lagging rows catch up in several chunks."""
         if not self.prefilling:
-            return 0
+            return None
         budget = None if not self.running else self.config.prefill_chunk
-        # Under a KV budget a pass may not widen the prefill cache past its limit, even after compaction
-        # (which leaves the longest row's slots): lagging rows catch up in several chunks.
         limit = self.prefill_lm.max_width
         cap = None if limit is None else limit - max(req.prefilled for req in self.prefilling)
-        width = prefill_width([len(req.prompt_ids) - req.prefilled for req in self.prefilling], budget, cap)
+        todo = [len(req.prompt_ids) - req.prefilled for req in self.prefilling]
+        width = fused_prefill_width(todo, budget, cap) if fused else prefill_width(todo, budget, cap)
         chunks = [req.prompt_ids[req.prefilled : req.prefilled + width] for req in self.prefilling]
-        fed = sum(len(c) for c in chunks)
-        if not fed:
-            return 0
+        return chunks if any(chunks) else None
+
+    def _prefill(self, chunks: list[list[int]], outputs: list[RequestOutput]) -> int:
+        """Prefill one chunk of the joining prompts in their own pass."""
         self._prefill_slots = len(chunks) * max(len(c) for c in chunks)
         out = self.prefill_lm.forward(chunks, features=self.want_features, last_logits_only=True)
+        return self._prefilled(chunks, out, outputs)
+
+    def _prefilled(self, chunks: list[list[int]], out: ForwardOutput, outputs: list[RequestOutput]) -> int:
+        """Take in a prefill pass's outputs (last logits [R, 1, V], features). A prompt whose last token is in
+        gives the request its first token, sampled from the prefill's last logits as a verify pass without
+        drafts samples (the request's own sampling and generator), committed and streamed at once; that token
+        is the first round's anchor, so every round drafts from an answer token, as the drafters were trained
+        to. Returns the prompt tokens fed."""
         for r, (req, chunk) in enumerate(zip(self.prefilling, chunks)):
             if self.want_features and chunk and req.seq not in self._blind:
                 self._features[req.seq].append(out.features[r, : len(chunk)])
@@ -447,7 +484,7 @@ class Engine:
             join_start = time.perf_counter()
             self._join(done, out.logits, outputs)
             self._join_seconds = time.perf_counter() - join_start
-        return fed
+        return sum(len(c) for c in chunks)
 
     def _join(self, done: list[int], logits: torch.Tensor, outputs: list[RequestOutput]) -> None:
         """Move prefilled rows into the batch with their first token (logits [R, 1, V]: each prefilling row's
@@ -594,7 +631,9 @@ class Engine:
         lengths = torch.where(ok, block.lengths, torch.zeros_like(block.lengths))
         return replace(block, lengths=lengths)
 
-    def _decode_round(self, outputs: list[RequestOutput]) -> StepInfo | None:
+    def _decode_round(self, outputs: list[RequestOutput], side: list[list[int]] | None = None) -> StepInfo | None:
+        """One decoding round of the running rows; `side`: a prefill chunk of the joining rows fed in the same
+        target pass (`CausalLM.forward_with`), its rows joining once the round has committed."""
         start = time.perf_counter()
         device, sched = self.target.device, self.scheduler
         batch = self._round_inputs()
@@ -643,7 +682,10 @@ class Engine:
         base_len = self.target.lengths.clone()
         kv_slots, kv_live = int(self.target.valid.shape[1]), int(base_len.sum())
         target_start = time.perf_counter()
-        out = self.target.forward(inputs, features=self.want_features)
+        if side is not None:
+            out, side_out = self.target.forward_with(self.prefill_lm, inputs, side, features=self.want_features)
+        else:
+            out = self.target.forward(inputs, features=self.want_features)
         target_seconds = time.perf_counter() - target_start
         width = max(lens) + 1 if lens else 1
         draft_tokens = block.tokens[:, : width - 1]
@@ -684,7 +726,7 @@ class Engine:
         if self.cost_model is not None:
             predicted = self.cost_model.cost(len(rows), tokens) if drafted else self.cost_model.plain_cost(len(rows))
             predicted -= self.cost_model.overhead.fixed(len(rows))  # the round's own figure (overhead is outside it)
-            if self.config.online_cost and not faulted:
+            if self.config.online_cost and not faulted and side is None:  # a fused pass prices the chunk too
                 self.cost_model.observe(len(rows), tokens, seconds, drafted)
         now = time.perf_counter()
         for r, req in enumerate(rows):
@@ -692,11 +734,15 @@ class Engine:
             req.rounds.append(RoundStats(lens[r], res.accepted[r], available[r], sig))
             self._commit(req, res.tokens[r], now, outputs)
         self._leave([r for r, req in enumerate(rows) if req.finished], None, outputs)
-        return StepInfo(len(rows), tokens, drafted, seconds, lens, theta, capacity, list(res.accepted),
+        info = StepInfo(len(rows), tokens, drafted, seconds, lens, theta, capacity, list(res.accepted),
                         draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
                         target_seconds=target_seconds, predicted_seconds=predicted, kv_slots=kv_slots,
                         kv_live=kv_live, asleep=self._asleep,
                         blind=sum(req.seq in self._blind for req in rows) if self._blind else 0, planned=planned)
+        if side is not None:  # the prefilled rows join after the round (`rows` is the running list itself)
+            self._prefilled(side, side_out, outputs)
+            self._side_fed = True
+        return info
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         return (req.stop_token_ids or frozenset()) | (frozenset() if req.ignore_eos else self.eos)

@@ -52,7 +52,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="most KV cache slots (rows x padded width) the target's cache may allocate; requests wait "
                         "beyond it, and one that alone exceeds it is refused (default: no limit)")
     s.add_argument("--prefill-chunk", type=int_arg(1), default=256,
-                   help="slots (prefilling rows x width) of the prefill pass per step while decoding")
+                   help="prompt tokens a prefill chunk feeds per step while others decode (slots, rows x width, of "
+                        "a chunk in a pass of its own)")
+    s.add_argument("--fuse-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="feed prefill chunks in the running requests' target pass, one model call per step where "
+                        "the target's attention allows (default: on)")
     s.add_argument("--no-online-calibration", action="store_true",
                    help="keep the drafter's offline calibration fixed (default: corrected online per workload)")
     s.add_argument("--no-online-cost", action="store_true", help="do not correct the step-cost model online")
@@ -78,7 +82,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     return EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
                         online_cost=not args.no_online_cost, kv_budget_tokens=args.kv_budget_tokens,
-                        rate_guard=args.rate_guard, drafter_sleep=args.drafter_sleep)
+                        rate_guard=args.rate_guard, drafter_sleep=args.drafter_sleep,
+                        fuse_prefill=args.fuse_prefill)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
