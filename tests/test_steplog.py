@@ -34,7 +34,7 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
     for rec, info in zip(records, seen):
         assert rec["batch"] == info.batch and rec["tokens"] == info.tokens and rec["drafted"] == info.drafted
         assert rec["verified"] == sum(info.lengths) and rec["accepted"] == sum(info.accepted)
-        assert 0 <= rec["accepted"] <= rec["verified"]
+        assert 0 <= rec["accepted"] <= rec["verified"] and rec["fused_prefill"] == info.fused_prefill
         assert rec["started"] >= last_end  # steps do not overlap and come in order
         assert rec["seconds"] <= rec["step_seconds"] + 1e-6
         assert rec["predicted_seconds"] is not None and rec["predicted_seconds"] > 0

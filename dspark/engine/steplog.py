@@ -35,7 +35,7 @@ def step_record(info: StepInfo) -> dict:
         "predicted_seconds": None if info.predicted_seconds is None else round(info.predicted_seconds, 6),
         "expected_throughput": info.expected_throughput, "capacity": info.capacity,
         "kv_slots": info.kv_slots, "kv_live": info.kv_live, "join_seconds": round(info.join_seconds, 6),
-        "asleep": info.asleep, "blind": info.blind, "planned": info.planned,
+        "asleep": info.asleep, "blind": info.blind, "planned": info.planned, "fused_prefill": info.fused_prefill,
     }
 
 
