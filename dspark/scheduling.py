@@ -846,11 +846,23 @@ class Scheduler:
             lengths = top_capacity(a, lim, capacity, cost, token_budget)
         self._last_cost = cost
         gain = _log_gain(theta, cost.plain_cost(num), num)
-        if self.adaptive:
+        if self.adaptive and self._probing and (lim > 0).any():
+            # a probe judges drafting at this load by the rows that could draft (see _drafting_rows_gain)
+            gain = self._drafting_rows_gain(a, lim, num, cost)
             self._note_probe(num, gain, cost)
         self._note_typical(a, lim)
         self._after_plan(gain, num)
         return StepPlan(lengths.tolist(), theta, capacity)
+
+    def _drafting_rows_gain(self, a: np.ndarray, lim: np.ndarray, num: int, cost: CostModel) -> float:
+        """The step's gain had every row drafted like the rows that could: Algorithm 1 on their mean survival
+        row (position k over the rows with a draft k available) repeated for `num` requests. Rows without
+        drafter context (admitted while the drafter slept), at their token limit or with speculation off verify
+        nothing this step, which says nothing of what drafting is worth at this load."""
+        seen = np.arange(a.shape[1])[None, :] < lim[:, None]
+        row = np.minimum.accumulate((a * seen).sum(0) / np.maximum(seen.sum(0), 1))
+        _, theta = prefix_schedule(np.repeat(row[None, :], num, axis=0), np.full(num, a.shape[1]), cost)
+        return _log_gain(theta, cost.plain_cost(num), num)
 
     def _note_typical(self, a: np.ndarray, lim: np.ndarray) -> None:
         """Smooth a drafted step's mean survival row into the typical row that gates probes. Position k
