@@ -792,9 +792,7 @@ class Scheduler:
 
     def _typical_gain(self, num_rows: int, cost: CostModel) -> float:
         """log(Θ / Θ of plain decoding) of Algorithm 1 on the typical row repeated for `num_rows` requests."""
-        a = np.repeat(self._last_mean[None, :], num_rows, axis=0)
-        _, theta = prefix_schedule(a, np.full(num_rows, a.shape[1]), cost)
-        return _log_gain(theta, cost.plain_cost(num_rows), num_rows)
+        return _row_gain(self._last_mean, num_rows, cost)
 
     def _note_probe(self, num: int, gain: float, cost: CostModel) -> None:
         """After a probe (the first drafted step after a back-off), learn how far its own expected gain fell from
@@ -859,10 +857,8 @@ class Scheduler:
         row (position k over the rows with a draft k available) repeated for `num` requests. Rows without
         drafter context (admitted while the drafter slept), at their token limit or with speculation off verify
         nothing this step, which says nothing of what drafting is worth at this load."""
-        seen = np.arange(a.shape[1])[None, :] < lim[:, None]
-        row = np.minimum.accumulate((a * seen).sum(0) / np.maximum(seen.sum(0), 1))
-        _, theta = prefix_schedule(np.repeat(row[None, :], num, axis=0), np.full(num, a.shape[1]), cost)
-        return _log_gain(theta, cost.plain_cost(num), num)
+        mean, _ = _drafting_mean(a, lim)
+        return _row_gain(np.minimum.accumulate(np.nan_to_num(mean, nan=0.0)), num, cost)
 
     def _note_typical(self, a: np.ndarray, lim: np.ndarray) -> None:
         """Smooth a drafted step's mean survival row into the typical row that gates probes. Position k
@@ -871,9 +867,7 @@ class Scheduler:
         at first)."""
         if not len(a) or not a.shape[1]:
             return
-        seen = np.arange(a.shape[1])[None, :] < lim[:, None]
-        count = seen.sum(0)
-        mean = np.where(count > 0, (a * seen).sum(0) / np.maximum(count, 1), np.nan)
+        mean, count = _drafting_mean(a, lim)
         if self._last_mean is None or self._last_mean.shape != mean.shape:
             typical = np.nan_to_num(mean, nan=0.0)
         else:
@@ -905,6 +899,21 @@ class Scheduler:
             self._look_ahead(num)
         else:
             self._backoff = 4
+
+
+def _drafting_mean(a: np.ndarray, lim: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean survival per draft position over the rows that had that draft available (NaN where none had), and
+    how many had it."""
+    seen = np.arange(a.shape[1])[None, :] < lim[:, None]
+    count = seen.sum(0)
+    return np.where(count > 0, (a * seen).sum(0) / np.maximum(count, 1), np.nan), count
+
+
+def _row_gain(row: np.ndarray, num_rows: int, cost: CostModel) -> float:
+    """log(Θ / Θ of plain decoding) of Algorithm 1 on survival `row` repeated for `num_rows` requests."""
+    a = np.repeat(row[None, :], num_rows, axis=0)
+    _, theta = prefix_schedule(a, np.full(num_rows, a.shape[1]), cost)
+    return _log_gain(theta, cost.plain_cost(num_rows), num_rows)
 
 
 def _log_gain(theta: float, plain_seconds: float, num_rows: int) -> float:

@@ -316,7 +316,10 @@ class CausalLM:
         self.valid = layout.mask
         self.lengths = self.lengths + layout.counts
 
-    def _features(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def _features(self, out, store: dict[int, torch.Tensor], hooked: bool) -> torch.Tensor:
+        """The feature layers' hidden states of a pass, concatenated (from the hooks, or HF's hidden_states)."""
+        parts = [store[i] for i in self.feature_layers] if hooked else \
+            [out.hidden_states[i + 1] for i in self.feature_layers]
         return torch.cat(parts, dim=-1).float()
 
     @torch.no_grad()
@@ -352,8 +355,7 @@ class CausalLM:
         self._end_pass(layout)
         feats = None
         if want:
-            feats = self._features([store[i] for i in self.feature_layers] if hooked else
-                                   [out.hidden_states[i + 1] for i in self.feature_layers])
+            feats = self._features(out, store, hooked)
         return ForwardOutput(logits=out.logits.float(), features=feats)
 
     @property
@@ -437,8 +439,7 @@ class CausalLM:
         theirs[layouts[1].counts > 0, 0] = logits[groups[0].tokens :]
         feats: list[torch.Tensor | None] = [None, None]
         if want:
-            packed = self._features([store[i] for i in self.feature_layers] if hooked else
-                                    [out.hidden_states[i + 1] for i in self.feature_layers])[0]
+            packed = self._features(out, store, hooked)[0]
             feats = [groups[0].pad(packed[: groups[0].tokens]), groups[1].pad(packed[groups[0].tokens :])]
         return ForwardOutput(mine, feats[0]), ForwardOutput(theirs, feats[1])
 
