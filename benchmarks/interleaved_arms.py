@@ -18,6 +18,12 @@ online calibrator `dspark serve` runs with (an arm's `+online` / `+offline` suff
 so one run can compare both; `+unfused` runs every prefill chunk in a pass of its own instead of in the
 round's, `EngineConfig.fuse_prefill`); `--warmup` blocks run first and are not counted.
 
+At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
+that verify the same lengths (every fixed K, or K and itself) replay the same sample in every block and every
+run, while an adaptive arm draws another. τ then differs by the sample alone (at 4 clients, temperature 1,
+fixed K = 7 accepted 2.23 drafts per drafted round with one set of seeds and 2.16 with another), and repeated
+runs do not average it out: `--seed-offset` shifts every request's seed (and so its length under `--length-spread`).
+
 `--length-spread s` draws each request's length from [(1 - s), (1 + s)] × max_tokens by its seed, as
 `serve_sweep.py` does (the same lengths for every arm). With one length for all, the requests of an arm that
 never drafts finish in lockstep and their successors share a few prefill passes, while a drafting arm's finish
@@ -85,12 +91,22 @@ class Arm:
         self.engine = Engine(self.target, drafter, scheduler, cost, EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags),
                              calibrator)
         self.concurrency, self.temperature = concurrency, temperature
+        self.drafted_rounds = self.accepted = 0  # over every served request's rounds that verified drafts
+        self.steps: list = []  # the StepInfo of every decoding round served (`accounting`)
         self.lengths = argparse.Namespace(max_tokens=max_tokens, length_spread=length_spread)
 
     def serve(self, block: list[tuple[list[int], int]]) -> tuple[int, float]:
         """Serve a block of (prompt ids, seed) to completion; return (tokens committed, wall seconds)."""
         pending = list(block)
         tokens, running, start = 0, 0, time.perf_counter()
+        chained = self.engine.on_step
+
+        def record(info) -> None:
+            self.steps.append(info)
+            if chained is not None:
+                chained(info)
+
+        self.engine.on_step = record
 
         def issue() -> None:
             nonlocal running
@@ -105,10 +121,35 @@ class Arm:
             for out in self.engine.step():
                 tokens += len(out.token_ids)
                 if out.finished:
+                    rounds = [r for r in out.request.rounds if r.draft_len > 0]
+                    self.drafted_rounds += len(rounds)
+                    self.accepted += sum(r.accepted for r in rounds)
                     running -= 1
                     if pending:
                         issue()
+        self.engine.on_step = chained
         return tokens, time.perf_counter() - start
+
+    def accounting(self) -> dict[str, float]:
+        """Per decoding round served so far: the share that drafted and that planned, drafts verified and
+        accepted per row, and the mean round (drafting, scheduling, target pass, verification, commit) in ms."""
+        steps = self.steps
+        rows = sum(i.batch for i in steps)
+        if not steps or not rows:
+            return {}
+        return {"rounds": len(steps), "drafted": sum(i.drafted for i in steps) / len(steps),
+                "planned": sum(i.planned for i in steps) / len(steps),
+                "verified_per_row": sum(sum(i.lengths) for i in steps) / rows,
+                "accepted_per_row": sum(sum(i.accepted) for i in steps) / rows,
+                "round_ms": 1e3 * sum(i.seconds for i in steps) / len(steps),
+                "schedule_ms": 1e3 * sum(i.schedule_seconds for i in steps) / len(steps)}
+
+
+def make_blocks(prompts: list[list[int]], size: int, count: int, seed_offset: int = 0
+                ) -> list[list[tuple[list[int], int]]]:
+    """`count` blocks of `size` (prompt, seed): the prompts in turn, request i seeded i + seed_offset."""
+    return [[(prompts[i % len(prompts)], i + seed_offset) for i in range(b * size, (b + 1) * size)]
+            for b in range(count)]
 
 
 def main() -> int:
@@ -125,6 +166,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="blocks per arm before the counted ones")
     ap.add_argument("--length-spread", type=float, default=0.0,
                     help="request lengths uniform in [(1 - s), (1 + s)] x max-tokens, drawn by seed")
+    ap.add_argument("--seed-offset", type=int, default=0, help="added to every request's seed (another sample)")
     ap.add_argument("--profile", default="benchmarks/results/serving/profile_cpu_epyc.json")
     ap.add_argument("--online-calibration", action="store_true")
     ap.add_argument("--out", default=None, help="write the report here (and its JSON beside it)")
@@ -136,12 +178,14 @@ def main() -> int:
                 args.online_calibration, length_spread=args.length_spread) for spec in args.arms]
     prompts = [encode_prompt(arms[0].target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
     size = args.block_requests * args.concurrency
-    blocks = [[(prompts[i % len(prompts)], i) for i in range(b * size, (b + 1) * size)]
-              for b in range(args.warmup + args.blocks)]
+    blocks = make_blocks(prompts, size, args.warmup + args.blocks, args.seed_offset)
     rates: dict[str, list[float]] = {a.spec: [] for a in arms}
     for b, block in enumerate(blocks):
         order = arms if b % 2 == 0 else arms[::-1]
         for arm in order:
+            if b == args.warmup:  # count acceptance and rounds over the counted blocks only
+                arm.drafted_rounds = arm.accepted = 0
+                arm.steps = []
             tokens, seconds = arm.serve(block)
             if b >= args.warmup:
                 rates[arm.spec].append(tokens / seconds)
@@ -155,19 +199,33 @@ def main() -> int:
              f"{args.blocks} blocks of {size} requests of {args.max_tokens} tokens"
              + (f" (spread {args.length_spread:g})" if args.length_spread else "")
              + " per arm (order reversed every block)",
-             f"{'arm':<16} {'tokens/s':>9} {'ratio to ' + first:>22} {'95% interval':>16}"]
-    summary = {"args": vars(args), "rates": rates, "ratios": {}}
+             f"{'arm':<16} {'tokens/s':>9} {'ratio to ' + first:>22} {'95% interval':>16}",
+             "(accepted: drafts accepted per drafted round, over every counted request: at temperature > 0 "
+             "it differs between arms by their samples too)"]
+    accepted = {a.spec: a.accepted / a.drafted_rounds if a.drafted_rounds else float("nan") for a in arms}
+    summary = {"args": vars(args), "rates": rates, "ratios": {}, "accepted_per_drafted_round": accepted}
     for spec in args.arms:
         mean_rate = statistics.mean(rates[spec])
         if spec == first:
-            lines.append(f"{spec:<16} {mean_rate:>9.1f} {'':>22} {'':>16}")
+            lines.append(f"{spec:<16} {mean_rate:>9.1f} {'':>22} {'':>16}  accepted {accepted[spec]:.2f}")
             continue
         ratios = [a / b for a, b in zip(rates[first], rates[spec])]  # first arm over this arm, per block
         m, sd = statistics.mean(ratios), statistics.stdev(ratios)
         half = t95(len(ratios) - 1) * sd / math.sqrt(len(ratios))
         summary["ratios"][spec] = {"mean": m, "low": m - half, "high": m + half}
         verdict = "ahead" if m - half > 1 else "behind" if m + half < 1 else "within noise"
-        lines.append(f"{spec:<16} {mean_rate:>9.1f} {m:>17.3f}x {m - half:>7.3f}-{m + half:.3f}  {first} {verdict}")
+        lines.append(f"{spec:<16} {mean_rate:>9.1f} {m:>17.3f}x {m - half:>7.3f}-{m + half:.3f}  {first} {verdict}"
+                     f", accepted {accepted[spec]:.2f}")
+    lines.append("rounds per arm: share drafted / planned, drafts verified / accepted per row, mean round ms "
+                 "(scheduling part)")
+    summary["accounting"] = {}
+    for arm in arms:
+        acc = summary["accounting"][arm.spec] = arm.accounting()
+        if acc:
+            lines.append(f"{arm.spec:<16} {acc['rounds']:>6d} rounds, drafted {acc['drafted']:.2f} planned "
+                         f"{acc['planned']:.2f}, verified {acc['verified_per_row']:.2f} accepted "
+                         f"{acc['accepted_per_row']:.2f} per row, round {acc['round_ms']:.1f} ms "
+                         f"({acc['schedule_ms']:.2f})")
     text = "\n".join(lines)
     print(text)
     if args.out:

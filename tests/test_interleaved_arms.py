@@ -24,10 +24,16 @@ def test_arms_serve_the_same_block_to_completion_at_their_concurrency() -> None:
     block = [(prompts[i], i) for i in range(3)]
     widths = []
     for arm in arms:
-        arm.engine.on_step = lambda info, w=widths: w.append(info.batch)
+        arm.engine.on_step = lambda info, w=widths: w.append(info.batch)  # serve chains its own recording
         tokens, seconds = arm.serve(block)
         assert tokens == 3 * 6 and seconds > 0  # every request of the block, max_tokens each (EOS ignored)
         assert not arm.engine.has_work
+        most = 3 if arm.spec == "fixed:3" else 7  # drafts a round verifies at most
+        assert arm.drafted_rounds > 0 and 0 <= arm.accepted <= most * arm.drafted_rounds
+        acc = arm.accounting()
+        assert acc["rounds"] == len(arm.steps) > 0 and 0 < acc["drafted"] <= 1 and acc["round_ms"] > 0
+        assert 0 < acc["verified_per_row"] <= most and acc["accepted_per_row"] <= acc["verified_per_row"]
+        assert (acc["planned"] == 0) == (arm.spec == "fixed:3")  # only an adaptive arm plans
     assert max(widths) == 2  # the closed loop keeps two running, never more
     with pytest.raises(ValueError, match=r"\+online or \+offline"):
         interleaved_arms.Arm("dspark+fast", "dspark", 1, 0.0, 4, None, False)
@@ -48,3 +54,12 @@ def test_length_spread_gives_every_arm_the_same_seeded_lengths() -> None:
     for arm in arms:
         tokens, _ = arm.serve(block)
         assert tokens == sum(lengths)
+
+
+def test_blocks_take_prompts_in_turn_and_a_seed_offset_draws_another_sample() -> None:
+    prompts = [[1], [2], [3]]
+    blocks = interleaved_arms.make_blocks(prompts, 2, 2)
+    assert blocks == [[([1], 0), ([2], 1)], [([3], 2), ([1], 3)]]
+    shifted = interleaved_arms.make_blocks(prompts, 2, 2, seed_offset=1000)
+    assert [p for b in shifted for p, _ in b] == [p for b in blocks for p, _ in b]  # the same prompts
+    assert [s for b in shifted for _, s in b] == [1000, 1001, 1002, 1003]  # other seeds
