@@ -20,14 +20,14 @@ import sys
 
 import numpy as np
 
+from dspark.profiling import load_profile
 from dspark.scheduling import CostModel, prefix_schedule
 
 
 def load_cost(path: str, layout: str) -> CostModel:
-    """The profile's step-cost table (`dspark profile` output) in the given layout."""
-    with open(path, encoding="utf-8") as f:
-        cost = json.load(f)["cost"]
-    return CostModel(cost["drafted"], cost["plain"], layout)
+    """The profile's step-cost table (`dspark profile` output) priced in the given layout."""
+    cost = load_profile(path).cost
+    return CostModel(cost.drafted, cost.plain, layout)
 
 
 def survival_rows(bench: str, drafter: str, temperature: float) -> dict[str, np.ndarray]:

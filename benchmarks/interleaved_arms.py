@@ -91,7 +91,6 @@ class Arm:
         self.engine = Engine(self.target, drafter, scheduler, cost, EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags),
                              calibrator)
         self.concurrency, self.temperature = concurrency, temperature
-        self.drafted_rounds = self.accepted = 0  # over every served request's rounds that verified drafts
         self.steps: list = []  # the StepInfo of every decoding round served (`accounting`)
         self.lengths = argparse.Namespace(max_tokens=max_tokens, length_spread=length_spread)
 
@@ -121,9 +120,6 @@ class Arm:
             for out in self.engine.step():
                 tokens += len(out.token_ids)
                 if out.finished:
-                    rounds = [r for r in out.request.rounds if r.draft_len > 0]
-                    self.drafted_rounds += len(rounds)
-                    self.accepted += sum(r.accepted for r in rounds)
                     running -= 1
                     if pending:
                         issue()
@@ -132,12 +128,15 @@ class Arm:
 
     def accounting(self) -> dict[str, float]:
         """Per decoding round served so far: the share that drafted and that planned, drafts verified and
-        accepted per row, and the mean round (drafting, scheduling, target pass, verification, commit) in ms."""
+        accepted per row, drafts accepted per row that verified some (`per_drafted_round`), and the mean round
+        (drafting, scheduling, target pass, verification, commit) in ms."""
         steps = self.steps
         rows = sum(i.batch for i in steps)
         if not steps or not rows:
             return {}
+        drafted = [(n, a) for i in steps for n, a in zip(i.lengths, i.accepted) if n > 0]
         return {"rounds": len(steps), "drafted": sum(i.drafted for i in steps) / len(steps),
+                "per_drafted_round": sum(a for _, a in drafted) / len(drafted) if drafted else float("nan"),
                 "planned": sum(i.planned for i in steps) / len(steps),
                 "verified_per_row": sum(sum(i.lengths) for i in steps) / rows,
                 "accepted_per_row": sum(sum(i.accepted) for i in steps) / rows,
@@ -183,8 +182,7 @@ def main() -> int:
     for b, block in enumerate(blocks):
         order = arms if b % 2 == 0 else arms[::-1]
         for arm in order:
-            if b == args.warmup:  # count acceptance and rounds over the counted blocks only
-                arm.drafted_rounds = arm.accepted = 0
+            if b == args.warmup:  # account the counted blocks only
                 arm.steps = []
             tokens, seconds = arm.serve(block)
             if b >= args.warmup:
@@ -202,7 +200,7 @@ def main() -> int:
              f"{'arm':<16} {'tokens/s':>9} {'ratio to ' + first:>22} {'95% interval':>16}",
              "(accepted: drafts accepted per drafted round, over every counted request: at temperature > 0 "
              "it differs between arms by their samples too)"]
-    accepted = {a.spec: a.accepted / a.drafted_rounds if a.drafted_rounds else float("nan") for a in arms}
+    accepted = {a.spec: a.accounting().get("per_drafted_round", float("nan")) for a in arms}
     summary = {"args": vars(args), "rates": rates, "ratios": {}, "accepted_per_drafted_round": accepted}
     for spec in args.arms:
         mean_rate = statistics.mean(rates[spec])
