@@ -67,7 +67,7 @@ def main() -> int:
     data.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
 
     sweep_args = argparse.Namespace(drafter=args.drafter, port=args.port, concurrency=[args.concurrency],
-                                    profile=None, start_timeout=900.0, max_tokens=args.max_tokens,
+                                    profile=None, start_timeout=900.0, max_tokens=args.max_tokens, ignore_eos=True,
                                     requests_per_client=max(3, int(args.duration * 2 / args.concurrency)))
     base = f"http://127.0.0.1:{args.port}"
     log = out / "aiperf_server.log"

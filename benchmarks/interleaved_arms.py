@@ -1,17 +1,19 @@
 """Scheduler arms side by side in one process: paired blocks of the same requests, so drift and content cancel.
 
     python benchmarks/interleaved_arms.py --arms dspark fixed:7 [--concurrency 1] [--temperature 1]
-        [--blocks 16] [--block-requests 4] [--warmup 1] [--length-spread 0] [--online-calibration] [--profile FILE]
-        [--out FILE]
+        [--blocks 16] [--block-requests 4] [--warmup 1] [--length-spread 0] [--ignore-eos] [--online-calibration]
+        [--profile FILE] [--out FILE]
 
 Every arm gets its own engine (its own target and drafter instances, the same weights). A block is the next
 `--block-requests` × concurrency held-out prompts (the same prompts and seeds for every arm); each arm in
 turn serves the block's requests in a closed loop of `--concurrency` running requests (a finished one is
 replaced by the block's next) until all are done, and its wall time counts everything the steps do
-(prefills, joins, bookkeeping). The order of the arms reverses every block (A B, B A, ...). Every arm commits
-the same tokens in a block (`max_tokens` each, EOS ignored), so the paired ratio of two arms is the ratio of
-their times; the report gives each arm's tokens per second and its ratio to the first arm's with a 95%
-interval over blocks. On this 2-core machine cells of two separate runs swing by 5-20%; paired blocks seconds
+(prefills, joins, bookkeeping). The order of the arms reverses every block (A B, B A, ...). A request ends at
+the target's EOS or after its `max_tokens`, as a user's does; at temperature 0 every arm commits the same tokens
+in a block (lossless), at temperature > 0 samples of the same distribution. `--ignore-eos` makes every request
+generate exactly `max_tokens` (the same work in every arm, but drafters accept far fewer tokens on the text a
+target writes past EOS; `serve_sweep.py` gives figures). The report gives each arm's tokens per second and
+its ratio to the first arm's with a 95% interval over blocks. On this 2-core machine cells of two separate runs swing by 5-20%; paired blocks seconds
 apart share the machine's state and the prompts' difficulty. A block's last requests run below the
 concurrency while it drains, the same for every arm. `--online-calibration` gives the adaptive arms the
 online calibrator `dspark serve` runs with (an arm's `+online` / `+offline` suffix overrides it,
@@ -66,10 +68,11 @@ class Arm:
     """One scheduler's engine, serving blocks of requests in a closed loop of `concurrency` running ones."""
 
     def __init__(self, spec: str, drafter_name: str, concurrency: int, temperature: float, max_tokens: int,
-                 profile: str | None, online: bool, cost: CostModel | None = None, length_spread: float = 0.0
-                 ) -> None:
+                 profile: str | None, online: bool, cost: CostModel | None = None, length_spread: float = 0.0,
+                 ignore_eos: bool = False) -> None:
         """cost: the step-cost model of an arm that needs one (default: `profile`, as `dspark serve` loads it).
-        length_spread: each request's length drawn around max_tokens by its seed (`serve_sweep.request_length`)."""
+        length_spread: each request's length drawn around max_tokens by its seed (`serve_sweep.request_length`).
+        ignore_eos: every request generates its whole length, past the target's EOS."""
         self.spec = spec
         name, *flags = spec.split("+")
         if any(flag not in ("online", "offline", "unfused") for flag in flags):
@@ -90,7 +93,7 @@ class Arm:
             calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter))
         self.engine = Engine(self.target, drafter, scheduler, cost, EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags),
                              calibrator)
-        self.concurrency, self.temperature = concurrency, temperature
+        self.concurrency, self.temperature, self.ignore_eos = concurrency, temperature, ignore_eos
         self.steps: list = []  # the StepInfo of every decoding round served (`accounting`)
         self.lengths = argparse.Namespace(max_tokens=max_tokens, length_spread=length_spread)
 
@@ -111,7 +114,7 @@ class Arm:
             nonlocal running
             prompt, seed = pending.pop(0)
             self.engine.add(Request(prompt, SamplingParams(temperature=self.temperature, seed=seed),
-                                    max_tokens=request_length(self.lengths, seed), ignore_eos=True))
+                                    max_tokens=request_length(self.lengths, seed), ignore_eos=self.ignore_eos))
             running += 1
 
         while pending and running < self.concurrency:
@@ -165,6 +168,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="blocks per arm before the counted ones")
     ap.add_argument("--length-spread", type=float, default=0.0,
                     help="request lengths uniform in [(1 - s), (1 + s)] x max-tokens, drawn by seed")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="every request generates exactly its length, past the target's EOS (default: it ends there)")
     ap.add_argument("--seed-offset", type=int, default=0, help="added to every request's seed (another sample)")
     ap.add_argument("--profile", default="benchmarks/results/serving/profile_cpu_epyc.json")
     ap.add_argument("--online-calibration", action="store_true")
@@ -174,7 +179,8 @@ def main() -> int:
         ap.error("need two arms or more and two blocks or more")
 
     arms = [Arm(spec, args.drafter, args.concurrency, args.temperature, args.max_tokens, args.profile,
-                args.online_calibration, length_spread=args.length_spread) for spec in args.arms]
+                args.online_calibration, length_spread=args.length_spread, ignore_eos=args.ignore_eos)
+            for spec in args.arms]
     prompts = [encode_prompt(arms[0].target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
     size = args.block_requests * args.concurrency
     blocks = make_blocks(prompts, size, args.warmup + args.blocks, args.seed_offset)
@@ -196,6 +202,7 @@ def main() -> int:
              f"{args.concurrency} concurrent requests, temperature {args.temperature:g}, drafter {args.drafter}, "
              f"{args.blocks} blocks of {size} requests of {args.max_tokens} tokens"
              + (f" (spread {args.length_spread:g})" if args.length_spread else "")
+             + (", EOS ignored" if args.ignore_eos else ", ending at EOS")
              + " per arm (order reversed every block)",
              f"{'arm':<16} {'tokens/s':>9} {'ratio to ' + first:>22} {'95% interval':>16}",
              "(accepted: drafts accepted per drafted round, over every counted request: at temperature > 0 "

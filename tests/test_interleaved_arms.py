@@ -17,7 +17,7 @@ _spec.loader.exec_module(interleaved_arms)
 
 def test_arms_serve_the_same_block_to_completion_at_their_concurrency() -> None:
     arms = [interleaved_arms.Arm(spec, "dspark", 2, 0.0, 6, None, online,
-                                 uniform_cost_model(gamma=7, batches=(1, 2), layout="padded"))
+                                 uniform_cost_model(gamma=7, batches=(1, 2), layout="padded"), ignore_eos=True)
             for spec, online in (("dspark", True), ("fixed:3", False), ("dspark+offline", True))]
     assert arms[0].engine.online_calibration is not None and arms[2].engine.online_calibration is None
     prompts = [encode_prompt(arms[0].target, p) for p in ("def add(a, b):", "The sea is", "1 + 1 =")]
@@ -45,7 +45,8 @@ def test_t_quantiles() -> None:
 
 def test_length_spread_gives_every_arm_the_same_seeded_lengths() -> None:
     arms = [interleaved_arms.Arm(spec, "dspark", 2, 0.0, 8, None, False,
-                                 uniform_cost_model(gamma=7, batches=(1, 2), layout="padded"), length_spread=0.5)
+                                 uniform_cost_model(gamma=7, batches=(1, 2), layout="padded"), length_spread=0.5,
+                                 ignore_eos=True)
             for spec in ("dspark", "none")]
     prompts = [encode_prompt(arms[0].target, p) for p in ("def add(a, b):", "The sea is", "1 + 1 =", "Once")]
     block = [(prompts[i], 10 + i) for i in range(4)]
@@ -63,3 +64,13 @@ def test_blocks_take_prompts_in_turn_and_a_seed_offset_draws_another_sample() ->
     shifted = interleaved_arms.make_blocks(prompts, 2, 2, seed_offset=1000)
     assert [p for b in shifted for p, _ in b] == [p for b in blocks for p, _ in b]  # the same prompts
     assert [s for b in shifted for _, s in b] == [1000, 1001, 1002, 1003]  # other seeds
+
+
+def test_requests_end_at_eos_unless_told_to_ignore_it() -> None:
+    cost = uniform_cost_model(gamma=7, batches=(1,), layout="padded")
+    ends, ignores = (interleaved_arms.Arm("fixed:7", "dspark", 1, 0.0, 80, None, False, cost, ignore_eos=flag)
+                     for flag in (False, True))
+    prompt = encode_prompt(ends.target, "What is 2 + 2?")  # the bundled target answers in about 50 tokens
+    tokens, _ = ends.serve([(prompt, 0)])
+    assert 1 <= tokens < 80  # ended at the target's EOS, as a user's request does
+    assert ignores.serve([(prompt, 0)])[0] == 80  # --ignore-eos: the whole length, past EOS

@@ -206,6 +206,31 @@ def test_ignore_eos_generates_exactly_max_tokens(client, bundled_target):
     assert full.choices[0].text == bundled_target.tokenizer.decode(out, skip_special_tokens=True)
 
 
+def test_the_load_benchmarks_requests_end_at_eos_unless_told_otherwise(server):
+    import argparse
+    import asyncio
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "serve_sweep", Path(__file__).resolve().parent.parent / "benchmarks" / "serve_sweep.py")
+    serve_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_sweep)
+
+    async def served(ignore_eos: bool) -> int:
+        client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
+        try:
+            args = argparse.Namespace(max_tokens=60, length_spread=0.0, ignore_eos=ignore_eos)
+            record = await serve_sweep.one_request(client, MODEL, "What is 2 + 2?", args, 0.0, seed=0)
+        finally:
+            await client.close()
+        assert record["start"] <= record["first"] <= record["end"]
+        return record["tokens"]
+
+    assert 1 <= asyncio.run(served(False)) < 60  # the chat answer ends at EOS (about 50 tokens), as a user's does
+    assert asyncio.run(served(True)) == 60  # --ignore-eos: exactly the asked length
+
+
 def test_64_concurrent_streaming_clients_all_complete_correctly(server, bundled_target):
     """64 clients stream at once into a server that runs 8 rows: every one completes with its standalone
     target-only greedy text, and the engine ends idle with nothing reserved."""
