@@ -16,8 +16,9 @@ ends at the target's EOS or at its length (--max-tokens, or drawn around it with
 would; at temperature 0 every arm commits the same tokens (lossless), at temperature > 0 the same distribution.
 --ignore-eos asks for exactly the length instead (vLLM's `ignore_eos`): the same work in every arm, but past
 EOS the target writes text no user reads, on which drafters accept far fewer tokens (the bundled DSpark drafter
-at batch 1 on 30 held-out prompts, 128 tokens: 2.71 drafts accepted per round before the first EOS and 0.98
-after it at temperature 1; 3.94 and 1.47 at temperature 0), so it understates what speculation gives users.
+at batch 1 on 30 held-out prompts, 128 tokens: 2.69 drafts accepted per round before the first EOS and 0.99
+after it at temperature 1; 3.93 and 1.47 at temperature 0; `benchmarks/eos_acceptance.py`), so it
+understates what speculation gives users.
 
 Figures per arm and cell (a cell: arm, temperature, concurrency, repeat):
 - output tok/s: tokens committed while all C clients were decoding and none had finished its last request
