@@ -623,6 +623,12 @@ class Scheduler:
         return self._gain is None or self._gain < math.log1p(self.UNSURE_GAIN)
 
     @property
+    def draft_limit(self) -> int | None:
+        """Drafts per row a step can verify at most whatever the drafts and their survival say (fixed:K: K),
+        so a drafter need draft no more; None where that depends on the drafts (every adaptive policy)."""
+        return self.param if self.kind == "fixed" else None
+
+    @property
     def never_drafts(self) -> bool:
         """Whether the policy verifies no drafts at any step (`none`, `fixed:0`)."""
         return self.kind == "none" or (self.kind == "fixed" and self.param == 0)

@@ -89,10 +89,12 @@ def test_staggered_arrivals_greedy_identical_every_scheduler(scheduler, bundled_
         assert max(drafts) == 0
         # no upkeep for drafts never made: no target features, no drafter context
         assert isinstance(engine.drafter, NoDrafter) and not engine.want_features
-    elif scheduler in ("dspark", "dspark-async", "threshold:0.5", "fixed:3"):
+    elif scheduler in ("dspark", "dspark-async", "threshold:0.5"):
         cut = [r for req in requests for r in req.rounds if r.available and 0 < r.draft_len < r.available]
         assert cut or scheduler == "dspark-async", "the scheduler never verified part of a block"
         assert max(drafts) > 0
+    elif scheduler == "fixed:3":  # the drafter drafts the 3 slots fixed:3 can verify, not the whole block
+        assert max(r.available or 0 for req in requests for r in req.rounds) == 3 == max(drafts)
     assert engine.target.batch_size == 0 and engine.reserved == 0
 
 
@@ -472,3 +474,29 @@ def test_fused_and_separate_prefill_commit_the_same_tokens(bundled_target, dspar
         assert any(fused) is fuse
         outputs.append([req.output_ids for req in requests])
     assert outputs[0] == outputs[1]
+
+
+def test_a_fixed_k_engine_has_only_k_slots_drafted(bundled_target, prompts):
+    drafter = dspark.load_drafter("dspark", bundled_target)  # its own: the spy must not leak into other tests
+    gamma, widths, propose = drafter_gamma(drafter), [], drafter.propose
+
+    def spy(*args):
+        block = propose(*args)
+        widths.append(block.tokens.shape[1])
+        return block
+
+    drafter.propose = spy
+    cost = uniform_cost_model(gamma=gamma, batches=(1, 2, 3), layout="padded")
+    ids = prompts[:3]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=3)]
+    # one drafter serves engines of every policy in turn, as `dspark bench` does: each call gets its engine's limit
+    for spec, width in (("fixed:2", 2), ("fixed", gamma), ("dspark", gamma), ("fixed:1", 1)):
+        widths.clear()
+        res = decode(bundled_target, drafter, ids, params, 12, scheduler=spec, cost_model=cost)
+        assert widths and set(widths) == {width}  # fixed:K drafts the K slots it can verify, no more
+        for r in range(2):  # greedy rows stay identical to target-only decoding
+            assert res[r].token_ids == standalone(bundled_target, ids[r], 12)
+        assert all(s.draft_len <= width for r in res for s in r.rounds)
+    assert drafter.draft_limit == 1  # the last engine's
+    assert dspark.scheduling.Scheduler("fixed:3", gamma).draft_limit == 3
+    assert dspark.scheduling.Scheduler("dspark", gamma).draft_limit is None

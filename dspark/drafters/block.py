@@ -189,7 +189,7 @@ class BlockDrafter(Drafter):
         h = self.block_hidden(sequences)
         if self.cfg.slot_convention == "self":
             h = h[:, 1:]
-        h = h[:, : self.max_drafts or h.shape[1]]
+        h = h[:, : min(self.max_drafts or h.shape[1], self.draft_limit or h.shape[1])]
         num_rows, gamma = h.shape[0], h.shape[1]
         device = h.device
         # U_k slot-major, [γ, R, V]: each slot's logits are contiguous for the sequential loop

@@ -567,6 +567,7 @@ class Engine:
         drafting raises alone have failed (re-raised when no row does)."""
         call = time.perf_counter()
         sighted = self._sighted(batch.rows)
+        self.drafter.draft_limit = self.scheduler.draft_limit  # set per call: engines may share a drafter
         try:
             if sighted is None:
                 block = self.drafter.propose(batch.seqs, batch.sampling, batch.gens)
