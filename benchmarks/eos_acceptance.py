@@ -12,10 +12,12 @@ figures can be read against what users see. Writes a text report (and its JSON b
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleaved_arms import write_report  # noqa: E402
 
 from dspark.api import encode_prompt, load_drafter, load_target
 from dspark.decoding import decode
@@ -85,10 +87,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        write_report(args.out, text, report)
     return 0
 
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_sweep import request_length  # noqa: E402
 
 from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model
+from dspark.atomic import write_text_atomic
 from dspark.drafters.base import drafter_gamma
 from dspark.engine import Engine, EngineConfig, Request
 from dspark.evaluation.bench import load_eval_prompts
@@ -234,11 +235,16 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+        write_report(args.out, text, summary)
     return 0
+
+
+def write_report(path: str | Path, text: str, data: dict) -> None:
+    """Write a benchmark's text report to `path` and its data as JSON beside it (same name, .json)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, text + "\n")
+    write_text_atomic(out.with_suffix(".json"), json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

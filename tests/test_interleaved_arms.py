@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,10 @@ def test_requests_end_at_eos_unless_told_to_ignore_it() -> None:
     tokens, _ = ends.serve([(prompt, 0)])
     assert 1 <= tokens < 80  # ended at the target's EOS, as a user's request does
     assert ignores.serve([(prompt, 0)])[0] == 80  # --ignore-eos: the whole length, past EOS
+
+
+def test_a_report_is_written_with_its_json_beside_it(tmp_path) -> None:
+    path = tmp_path / "runs" / "c4.txt"
+    interleaved_arms.write_report(path, "line one\nline two", {"rates": {"dspark": [1.5]}})
+    assert path.read_text() == "line one\nline two\n"
+    assert json.loads(path.with_suffix(".json").read_text()) == {"rates": {"dspark": [1.5]}}
