@@ -94,7 +94,11 @@ def sampling_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tens
 
 def probs_from_sampling_logits(scaled: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """softmax of `sampling_logits` output; greedy rows get the one-hot of their argmax."""
-    probs = torch.softmax(scaled, dim=-1)
+    return greedy_onehot(torch.softmax(scaled, dim=-1), scaled, sampling)
+
+
+def greedy_onehot(probs: torch.Tensor, scaled: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
+    """`probs` [R, L, V] with each greedy row replaced by the one-hot of its argmax of `scaled`."""
     if bool(sampling.greedy.any()):
         onehot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(sampling.greedy.view(-1, 1, 1), onehot, probs)
@@ -122,23 +126,32 @@ def greedy_peaks(logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor | N
     return out
 
 
-def gumbel_noise(
-    shape: tuple[int, ...], sampling: BatchSampling, generators, device, row_dim: int = 0
-) -> torch.Tensor:
-    """Gumbel(0, 1) noise [R, *shape] from each sampled row's own generator (zeros for greedy rows).
-
-    With row_dim=1 the rows are the second dim ([shape[0], R, *shape[1:]]); the draws are the same.
-    argmax(sampling_logits + noise) is an exact sample of softmax(sampling_logits) (the Gumbel-max
-    trick): a whole block of independent draws costs one random call per row instead of one per token.
-    """
+def row_uniforms(count: int, sampling: BatchSampling, generators, device) -> torch.Tensor:
+    """U[0, 1) draws [R, count] in float64 from each sampled row's own generator (zeros for greedy rows): one
+    small random call per row, for `sample_inverse_cdf`."""
     greedy = sampling.greedy.tolist()
-    out_shape = (len(greedy), *shape) if row_dim == 0 else (shape[0], len(greedy), *shape[1:])
-    noise = torch.zeros(out_shape, device=device)
+    out = torch.zeros(len(greedy), count, dtype=torch.float64, device=device)
     for r, is_greedy in enumerate(greedy):
         if not is_greedy:
-            u = torch.rand(shape, generator=generators[r], device=device)
-            noise.select(row_dim, r).copy_(u.log_().neg_().log_().neg_())
-    return noise
+            out[r] = torch.rand(count, generator=generators[r], dtype=torch.float64, device=device)
+    return out
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens [...] drawn from probs [..., V] (float32, each row summing to about 1) by the uniforms u [...]
+    (float64, `row_uniforms`): the first token whose cumulative mass exceeds u times the row's total.
+
+    The cumulative sum runs in float64, so a token is drawn with its probability divided by the row's sum
+    to within about 1e-16 (in float32 every token's share would be off by up to half an ulp of the running
+    sum, ~6e-8, whatever its size). A zero-probability token is never drawn, and a one-hot row gives its
+    token for any u. One uniform per token instead of Gumbel noise over the vocabulary: at 54 rows, 7 slots
+    and V = 8192 on 2 CPU cores, about 4 ms against 26 ms (`benchmarks/results/inverse_cdf.txt`).
+    """
+    cdf = probs.double().cumsum(-1)
+    total = cdf[..., -1]
+    point = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, point.unsqueeze(-1).contiguous(), right=True).squeeze(-1)
+    return index.clamp_(max=probs.shape[-1] - 1)  # a row of NaN or zeros (dropped later) stays in range
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

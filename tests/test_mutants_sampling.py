@@ -1,7 +1,8 @@
 """Tests written to kill surviving mutants of `dspark.sampling` (benchmarks/mutation_test.sh).
 
-Gumbel noise (which rows draw, from which generator, in which layout, and that argmax(logits + noise) samples
-softmax(logits)), generators (seeded, unseeded), and the top-k / top-p filter at its boundaries.
+Row uniforms and inverse-CDF sampling (which rows draw, from which generator, and that the draw follows
+the probabilities, never picking a zero-probability token), generators (seeded, unseeded), and the top-k /
+top-p filter at its boundaries.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from dspark.sampling import (
     BatchSampling,
     SamplingParams,
     filter_logits,
-    gumbel_noise,
     logits_to_probs,
     make_generator,
     probs_from_sampling_logits,
+    row_uniforms,
+    sample_inverse_cdf,
     sampling_logits,
 )
 
@@ -28,47 +30,48 @@ def gens():
     return [torch.Generator().manual_seed(s) for s in SEEDS]
 
 
-def test_gumbel_noise_draws_each_sampled_row_from_its_own_generator():
+def test_row_uniforms_draw_each_sampled_row_from_its_own_generator():
     sampling = BatchSampling.from_params(PARAMS, "cpu")
     g = gens()
-    noise = gumbel_noise((2, 5), sampling, g, "cpu")
-    assert noise.shape == (3, 2, 5) and noise.device.type == "cpu"
+    u = row_uniforms(4, sampling, g, "cpu")
+    assert u.shape == (3, 4) and u.dtype == torch.float64 and u.device.type == "cpu"
     for r in (0, 2):
-        u = torch.rand((2, 5), generator=torch.Generator().manual_seed(SEEDS[r]))
-        torch.testing.assert_close(noise[r], -torch.log(-torch.log(u)))
-    assert (noise[1] == 0).all()  # the greedy row draws nothing ...
+        expected = torch.rand(4, generator=torch.Generator().manual_seed(SEEDS[r]), dtype=torch.float64)
+        assert torch.equal(u[r], expected)
+    assert (u[1] == 0).all()  # the greedy row draws nothing ...
     assert torch.equal(g[1].get_state(), torch.Generator().manual_seed(SEEDS[1]).get_state())  # ... from its generator
 
 
-def test_gumbel_noise_with_rows_second_has_the_same_draws():
+def test_row_uniforms_are_made_on_the_requested_device():
     sampling = BatchSampling.from_params(PARAMS, "cpu")
-    first = gumbel_noise((4, 5), sampling, gens(), "cpu")
-    second = gumbel_noise((4, 5), sampling, gens(), "cpu", row_dim=1)
-    assert second.shape == (4, 3, 5)
-    assert torch.equal(second, first.transpose(0, 1))
-    flat = gumbel_noise((6,), sampling, gens(), "cpu", row_dim=1)  # one dim: rows second means [6, R]
-    assert flat.shape == (6, 3) and torch.equal(flat, gumbel_noise((6,), sampling, gens(), "cpu").t())
-
-
-def test_gumbel_noise_is_made_on_the_requested_device():
-    sampling = BatchSampling.from_params(PARAMS, "cpu")
-    expected = gumbel_noise((2, 5), sampling, gens(), "cpu")
+    expected = row_uniforms(3, sampling, gens(), "cpu")
     with torch.device("meta"):  # a default device other than the requested one must not be used
-        got = gumbel_noise((2, 5), sampling, gens(), "cpu")
+        got = row_uniforms(3, sampling, gens(), "cpu")
     assert torch.equal(got, expected)
 
 
-def test_gumbel_max_samples_the_softmax():
-    """argmax(logits + Gumbel noise) is an exact sample of softmax(logits): frequencies of 20,000 draws
-    within 4.5 standard errors of the softmax (and 0 for a token of probability 0)."""
+def test_inverse_cdf_samples_the_probabilities():
+    """Frequencies of 20,000 draws within 4.5 standard errors of the probabilities (0 for a token of
+    probability 0, including the first and the last)."""
     n = 20_000
-    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, float("-inf")])
-    sampling = BatchSampling.from_params([SamplingParams(temperature=1.0)], "cpu")
-    noise = gumbel_noise((n, 5), sampling, [torch.Generator().manual_seed(7)], "cpu")[0]
-    counts = torch.bincount((logits + noise).argmax(-1), minlength=5).double()
-    p = torch.softmax(logits.double(), -1)
+    probs = torch.softmax(torch.tensor([float("-inf"), 1.0, 0.0, -1.0, 2.0, float("-inf")]), -1)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    counts = torch.bincount(sample_inverse_cdf(probs.expand(n, -1), u), minlength=6).double()
+    p = probs.double()
     sigma = (p * (1 - p) / n).sqrt()
     assert ((counts / n - p).abs() <= 4.5 * sigma + 1e-12).all(), (counts / n, p)
+
+
+def test_inverse_cdf_at_the_ends_of_the_unit_interval_picks_a_possible_token():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 3)
+    u = torch.tensor([0.0, 0.25 - 1e-12, 1.0 - 1e-17], dtype=torch.float64)  # the last rounds to 1
+    assert sample_inverse_cdf(probs, u).tolist() == [1, 1, 3]
+    onehot = torch.tensor([[0.0, 0.0, 1.0, 0.0]] * 3)
+    assert sample_inverse_cdf(onehot, torch.tensor([0.0, 0.5, 1.0])).tolist() == [2, 2, 2]
+    unnormalised = torch.tensor([[2.0, 2.0]])  # the draw scales u by the row's total
+    assert sample_inverse_cdf(unnormalised, torch.tensor([0.6])).tolist() == [1]
+    batched = sample_inverse_cdf(probs.view(1, 3, 5), u.view(1, 3))  # any leading shape
+    assert batched.shape == (1, 3) and batched.tolist() == [[1, 1, 3]]
 
 
 def test_seeded_generators_repeat_and_unseeded_ones_differ():

@@ -17,8 +17,8 @@ from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.context_cache import ContextCache
 from dspark.drafters.dflash_model import DFlashBackbone, DFlashConfig
 from dspark.drafters.heads import ConfidenceHead, MarkovHead, build_sequential_head
-from dspark.sampling import (BatchSampling, filter_logits, greedy_peaks, gumbel_noise, probs_from_sampling_logits,
-                             sampling_logits)
+from dspark.sampling import (BatchSampling, filter_logits, greedy_onehot, greedy_peaks, probs_from_sampling_logits,
+                             row_uniforms, sample_inverse_cdf, sampling_logits)
 from dspark.target import CausalLM
 
 
@@ -183,8 +183,8 @@ class BlockDrafter(Drafter):
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         """Sample γ drafts left to right from the block logits plus the sequential bias.
 
-        Sampling uses the Gumbel-max trick with one noise draw per row and block, so the sequential
-        loop is a few fused ops per slot; q is computed once for the block from the same logits.
+        Sampling draws one uniform per row and slot (one random call per row and block) and inverts each
+        slot's cumulative distribution (`sample_inverse_cdf`); the slot's softmax is its q.
         """
         h = self.block_hidden(sequences)
         if self.cfg.slot_convention == "self":
@@ -196,16 +196,20 @@ class BlockDrafter(Drafter):
         base = self.lm_head(h.transpose(0, 1)).float()
         head, conf_head = self.model.markov_head, self.model.confidence_head
         all_greedy = bool(sampling.greedy.all())
-        noise = None if all_greedy else gumbel_noise((gamma, base.shape[-1]), sampling, generators, device, row_dim=1)
+        uniforms = None if all_greedy else row_uniforms(gamma, sampling, generators, device)
         anchors = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)
-        peaks = None
+        peaks = probs = None
         if head is None:  # plain DFlash: every slot is independent, sample the block at once
-            scaled = base if all_greedy else sampling_logits(base.transpose(0, 1), sampling).transpose(0, 1)
-            tokens = (scaled if noise is None else scaled + noise).argmax(-1).t().contiguous()
-            scaled = scaled.transpose(0, 1)
+            if all_greedy:
+                scaled, tokens = base.transpose(0, 1), base.argmax(-1).t().contiguous()
+            else:
+                scaled = sampling_logits(base.transpose(0, 1), sampling)
+                probs = probs_from_sampling_logits(scaled, sampling)  # greedy rows: one-hot, drawn for any u
+                tokens = sample_inverse_cdf(probs, uniforms)
         else:
-            scaled, tokens, peaks = self._sample_sequential(h, base, anchors, sampling, noise)
-        probs = None if all_greedy else probs_from_sampling_logits(scaled, sampling)
+            scaled, tokens, peaks, probs = self._sample_sequential(h, base, anchors, sampling, uniforms)
+        if probs is None and not all_greedy:
+            probs = probs_from_sampling_logits(scaled, sampling)
         if peaks is None and self.report_peaks:  # greedy rows' sampling logits are their raw logits (T = 1)
             peaks = greedy_peaks(scaled, sampling.greedy)
         conf = None
@@ -215,26 +219,29 @@ class BlockDrafter(Drafter):
         lengths = torch.full((num_rows,), gamma, dtype=torch.long, device=device)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, confidences=conf, peaks=peaks)
 
-    def _sample_sequential(self, h, base, prev, sampling: BatchSampling, noise):
-        """Left-to-right sampling with the sequential head over slot-major base logits [γ, R, V] (overwritten).
+    def _sample_sequential(self, h, base, prev, sampling: BatchSampling, uniforms):
+        """Left-to-right sampling with the sequential head over slot-major base logits [γ, R, V] (overwritten),
+        by the uniforms [R, γ] (`row_uniforms`; None when every row is greedy).
 
-        Returns the sampling logits [R, γ, V] (a view of `base`), the tokens [R, γ] and the greedy rows' peaks
-        (None here: `greedy_peaks` of the sampling logits gives them).
+        Returns the sampling logits [R, γ, V] (a view of `base`), the tokens [R, γ], the greedy rows' peaks
+        (None here: `greedy_peaks` of the sampling logits gives them) and q [R, γ, V] (None when every row is
+        greedy or the caller is to compute it from the sampling logits).
         """
         head = self.model.markov_head
         gamma, num_rows = base.shape[0], base.shape[1]
         fused = self._vanilla_markov
         if fused and self.bias_candidates is not None:
-            return self._sample_candidates(base, prev, sampling, noise, self.bias_candidates)
+            return (*self._sample_candidates(base, prev, sampling, uniforms, self.bias_candidates), None)
         use_table = fused and self.markov_table
         full_table = self._markov_rows_for(None) if use_table else None  # None until every row is computed
         if fused and not use_table:  # vanilla Markov: bias = W1[x] · W2ᵀ, added to U_k in place by one addmm per slot
             w1, w2t = self._markov_weights()
         state = head.init_state(num_rows, h.device, h.dtype)
-        plain = noise is None  # all greedy: argmax of U_k + bias
+        plain = uniforms is None  # all greedy: argmax of U_k + bias
         if not plain:
             temp, scale, filtered = _loop_sampling(sampling)
-        tokens = []
+            greedy = sampling.greedy.to(base.device) if bool(sampling.greedy.any()) else None
+        tokens, probs = [], []
         for k in range(gamma):
             logits = base[k]
             if use_table:  # the same bias, one cached row per previous token
@@ -251,25 +258,34 @@ class BlockDrafter(Drafter):
                     logits.div_(temp)
                 if filtered:
                     logits.copy_(filter_logits(logits.unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1))
-                prev = noise[k].add_(logits).argmax(-1)  # the noise is used once: add in place
+                q = torch.softmax(logits, dim=-1)
+                prev = sample_inverse_cdf(q, uniforms[:, k])
+                if greedy is not None:  # greedy rows of a mixed batch take their argmax
+                    prev = torch.where(greedy, logits.argmax(-1), prev)
+                probs.append(q)
             tokens.append(prev)
-        return base.transpose(0, 1), torch.stack(tokens, 1), None
+        scaled = base.transpose(0, 1)
+        q = None if plain else greedy_onehot(torch.stack(probs, 1), scaled, sampling)
+        return scaled, torch.stack(tokens, 1), None, q
 
-    def _sample_candidates(self, base, prev, sampling: BatchSampling, noise, k_cand: int):
+    def _sample_candidates(self, base, prev, sampling: BatchSampling, uniforms, k_cand: int):
         """Left-to-right sampling over each slot's top-K base candidates with the vanilla Markov bias.
 
         Per slot: bias_c = W2[c] · W1[x_{k−1}] for the K candidates c only; greedy takes the best candidate,
-        sampling applies temperature and top-k/top-p among the candidates and Gumbel-max with the noise
-        of those tokens. The returned sampling logits are -inf outside the candidates, so q is exactly
+        sampling applies temperature and top-k/top-p among the candidates and inverts their cumulative
+        distribution at the row's uniform. The returned sampling logits are -inf outside the candidates, so q is exactly
         the distribution drafted from (greedy-only blocks leave `base` unbiased, so their rows' peaks are taken
         over the candidates here). Same return values as `_sample_sequential`.
         """
         w1, w2t = self._markov_weights()
         w2 = self._markov_rows(w2t)
         vals, idx = base.topk(k_cand, dim=-1)  # [γ, R, K]
-        plain = noise is None
+        idx, order = idx.sort(-1)  # in token order, a uniform picks the token the whole vocabulary's would
+        vals = vals.gather(-1, order)
+        plain = uniforms is None
         if not plain:
             temp, scale, filtered = _loop_sampling(sampling)
+            greedy = sampling.greedy.to(base.device) if bool(sampling.greedy.any()) else None
         tokens, peaks = [], []
         for k in range(base.shape[0]):
             cand = vals[k] + torch.bmm(w2[idx[k]], w1[prev].unsqueeze(-1)).squeeze(-1)  # [R, K]
@@ -282,7 +298,9 @@ class BlockDrafter(Drafter):
                     cand = cand / temp
                 if filtered:
                     cand = filter_logits(cand.unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1)
-                pick = (cand + noise[k].gather(-1, idx[k])).argmax(-1)
+                pick = sample_inverse_cdf(torch.softmax(cand, dim=-1), uniforms[:, k])
+                if greedy is not None:  # greedy rows of a mixed batch take their best candidate
+                    pick = torch.where(greedy, cand.argmax(-1), pick)
                 base[k].fill_(float("-inf")).scatter_(-1, idx[k], cand)
             prev = idx[k].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
             tokens.append(prev)
