@@ -93,20 +93,28 @@ class StepProfile:
             drafted[int(b)], fitted = fit_row({int(n): v for n, v in cells.items()})
             (smoothed.add if fitted else smoothed.discard)(int(b))
         meta = {**self.meta, "smoothed_rows": sorted(smoothed)}
-        return StepProfile(CostModel(drafted, dict(self.cost.plain), self.cost.layout), self.fingerprint, meta)
+        cost = CostModel(drafted, dict(self.cost.plain), self.cost.layout, draft_slot=dict(self.cost.draft_slot),
+                         width=self.cost.width)
+        return StepProfile(cost, self.fingerprint, meta)
 
     def merged(self, other: StepProfile) -> StepProfile:
         """This profile with `other`'s batch sizes added (other wins where both have one)."""
         drafted = {**self.cost.drafted, **other.cost.drafted}
         plain = {**self.cost.plain, **other.cost.plain}
         meta = dict(self.meta)
-        for key in ("plain_times", "drafted_times"):
+        for key in ("plain_times", "drafted_times", "narrow_times"):
             meta[key] = {**self.meta.get(key, {}), **other.meta.get(key, {})}
         meta["batches"] = sorted(drafted)
         meta["smoothed_rows"] = sorted({b for b in self.meta.get("smoothed_rows", []) if b not in other.cost.drafted}
                                        | set(other.meta.get("smoothed_rows", [])))
         meta["seconds"] = float(self.meta.get("seconds", 0.0)) + float(other.meta.get("seconds", 0.0))
-        return StepProfile(CostModel(drafted, plain, self.cost.layout), self.fingerprint, meta)
+        # per-slot costs only where both profiles drafted at one width (else the other's are dropped: unknown)
+        same = self.cost.width == other.cost.width
+        slots = {**self.cost.draft_slot, **other.cost.draft_slot} if same else dict(self.cost.draft_slot)
+        missing = [b for b in drafted if b not in slots]
+        width = self.cost.width if slots and not missing else None
+        cost = CostModel(drafted, plain, self.cost.layout, draft_slot=slots if width else {}, width=width)
+        return StepProfile(cost, self.fingerprint, meta)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -127,7 +135,8 @@ def _module_shapes(module: torch.nn.Module) -> list:
     return [[name, list(p.shape), str(p.dtype)] for name, p in module.named_parameters()]
 
 
-_NOT_SETUP = {"calibration", "report_peaks"}  # survival estimates and the engine's peaks switch are not the setup
+_NOT_SETUP = {"calibration", "report_peaks", "draft_limit"}  # survival estimates, the engine's peaks switch and
+# the width the last drafting call was asked for are not the setup
 
 
 def _drafter_description(drafter: Drafter) -> dict:
@@ -251,8 +260,9 @@ class _FullBlock(Drafter):
         self.inner.select(rows)
 
     def propose(self, sequences, sampling, generators) -> DraftBlock:
+        self.inner.draft_limit = self.draft_limit
         block = self.inner.propose(sequences, sampling, generators)
-        if bool((block.lengths >= self.gamma).all()):
+        if bool((block.lengths >= min(self.gamma, self.draft_limit or self.gamma)).all()):
             return block
         rows, device = len(sequences), block.lengths.device
         tokens = torch.tensor([[s[-1]] * self.gamma for s in sequences], dtype=torch.long, device=device)
@@ -305,25 +315,35 @@ def profile_prompts(target: CausalLM, batch: int, context_len: int, seed: int = 
     return torch.randint(0, target.vocab_size, (batch, context_len), generator=g).tolist(), "random"
 
 
+NARROW = -1  # the cell that drafts one slot and verifies none (with ℓ = 0 at the full width: the slot's cost)
+
+
 class _Rotating(Scheduler):
     """Cycles through the cells of one batch size, one step each: plain (no drafting), then ℓ = 0..γ drafts
-    for every request (drafting even at ℓ = 0, like an adaptive step that admits nothing). Interleaving the
-    cells spreads machine noise over all of them alike."""
+    for every request drafted γ wide (drafting even at ℓ = 0, like an adaptive step that admits nothing),
+    then (γ > 1) ℓ = 0 drafted one slot wide (`NARROW`). Interleaving the cells spreads machine noise over all
+    of them alike."""
 
     def __init__(self, gamma: int, with_drafts: bool) -> None:
         super().__init__("fixed", gamma)
-        self.cycle: list[int | None] = [None] + (list(range(gamma + 1)) if with_drafts else [])
+        self.cycle: list[int | None] = [None]
+        if with_drafts:
+            self.cycle += list(range(gamma + 1)) + ([NARROW] if gamma > 1 else [])
         self.step = -1
 
     def current(self) -> int | None:
         return self.cycle[self.step % len(self.cycle)]
+
+    @property
+    def draft_limit(self) -> int | None:
+        return 1 if self.current() == NARROW else self.gamma
 
     def wants_drafts(self, num_rows: int) -> bool:
         self.step += 1
         return self.current() is not None
 
     def plan(self, survival, limits, cost=None, token_budget=None, request_ids=None) -> StepPlan:
-        return StepPlan([min(int(self.current()), int(x)) for x in limits])
+        return StepPlan([min(max(0, int(self.current())), int(x)) for x in limits])
 
 
 def _time_cells(target: CausalLM, drafter: Drafter, prompts: list[list[int]], gamma: int, with_drafts: bool,
@@ -338,7 +358,7 @@ def _time_cells(target: CausalLM, drafter: Drafter, prompts: list[list[int]], ga
     def on_step(info: StepInfo) -> None:
         nonlocal dropped
         key = sched.current()
-        expect = batch if key is None else step_tokens(np.full(batch, key), LAYOUT)
+        expect = batch if key is None else step_tokens(np.full(batch, max(0, key)), LAYOUT)
         if info.batch == batch and info.drafted == (key is not None) and info.tokens == expect:
             times[key].append(info.seconds)
         else:
@@ -364,10 +384,12 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
     """Time decoding steps through `decode` at each batch size and every verified-draft count ℓ = 0..γ.
 
     Cell (B, N = B·(1 + ℓ)) comes from `reps` steps (after `warmup`) in which B requests each verified exactly ℓ
-    drafts (greedy, no EOS, every row drafts; short n-gram rows are padded): a batch row's cells are its medians
+    drafts of a γ-slot block (greedy, no EOS, every row drafts; short n-gram rows are padded): a batch row's cells are its medians
     smoothed by `dspark.cost_fit.fit_row` (two lines meeting at a knee) unless the medians depart from the fit by
     more than their noise explains (meta["smoothed_rows"] lists the smoothed rows); plain[B] is the median
-    step of target-only decoding (the drafter is not called). Prompts are `context_len` tokens; one decode
+    step of target-only decoding (the drafter is not called). draft_slot[B] is what one drafted slot adds: the
+    median step verifying nothing at the full width less the median one drafting a single slot, over γ − 1
+    (never negative; meta["narrow_times"] keeps the latter's repeats). Prompts are `context_len` tokens; one decode
     per batch size runs the cells in turn, one step each, so the context grows by up to a few hundred
     tokens over the profile and noise falls on every cell alike.
     A target-only profile (γ = 0) has the single drafted cell N = B equal to the plain step.
@@ -393,15 +415,16 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
     fingerprint = fingerprint_for(target, drafter, drafter_name, context_len)
     drafted: dict[int, list[tuple[int, float]]] = {}
     plain: dict[int, float] = {}
+    draft_slot: dict[int, float] = {}
     meta: dict = {"gamma": gamma, "batches": batches, "warmup": warmup, "reps": reps, "context_len": context_len,
-                  "plain_times": {}, "drafted_times": {}, "dropped_steps": 0, "smoothed_rows": []}
-    bar = tqdm(total=len(batches) * (gamma + 2 if full else 1), desc="profiling steps", disable=not progress,
-               unit="cell", file=sys.stderr)
+                  "plain_times": {}, "drafted_times": {}, "narrow_times": {}, "dropped_steps": 0, "smoothed_rows": []}
+    cells = (gamma + 2 + (gamma > 1)) if full else 1
+    bar = tqdm(total=len(batches) * cells, desc="profiling steps", disable=not progress, unit="cell", file=sys.stderr)
     start = time.perf_counter()
     for b in batches:
         prompts, meta["prompt_source"] = profile_prompts(target, b, context_len, stream=stream)
         bar.set_postfix(B=b)
-        cycle_tokens = 1 + sum(ell + 1 for ell in range(gamma + 1)) if full else 1
+        cycle_tokens = 1 + sum(ell + 1 for ell in range(gamma + 1)) + 1 if full else 1
         times, dropped = _time_cells(target, runner, prompts, gamma, bool(full), warmup, reps,
                                      min(room, (warmup + reps + 1) * cycle_tokens + 1))
         meta["dropped_steps"] += dropped
@@ -414,10 +437,16 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
             meta["drafted_times"][str(b)] = {str(b * (1 + ell)): times[ell] for ell in range(gamma + 1)}
             if smoothed:
                 meta["smoothed_rows"].append(b)
-        bar.update(gamma + 2 if full else 1)
+            if NARROW in times:
+                meta["narrow_times"][str(b)] = times[NARROW]
+                slope = (np.median(times[0]) - np.median(times[NARROW])) / (gamma - 1)
+                draft_slot[b] = float(max(0.0, slope))
+        bar.update(cells)
     bar.close()
+    drafter.draft_limit = None  # the profile's last cell set it
     meta["seconds"] = time.perf_counter() - start
-    return StepProfile(CostModel(drafted, plain, LAYOUT), fingerprint, meta)
+    cost = CostModel(drafted, plain, LAYOUT, draft_slot=draft_slot, width=gamma if draft_slot else None)
+    return StepProfile(cost, fingerprint, meta)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -471,7 +500,9 @@ def load_or_profile(target: CausalLM, drafter: Drafter, drafter_name: str | None
     it was measured on this setup, profiling and saving otherwise.
 
     A file from another setup (or unreadable) is re-profiled with a note on stderr naming what differed, or
-    raises `ProfileMismatch` / ValueError when reprofile is False; a wrong table is never used. Batch sizes
+    raises `ProfileMismatch` / ValueError when reprofile is False; a wrong table is never used. A file without
+    per-slot drafting costs (an older dspark's) is re-profiled too, or used as it is (the drafted width then
+    costs nothing) when reprofile is False. Batch sizes
     the file lacks are profiled and added to it. `kw` goes to `profile_steps` (context_len, reps, ...).
     """
     context_len = int(kw.get("context_len", 256))
@@ -494,6 +525,10 @@ def load_or_profile(target: CausalLM, drafter: Drafter, drafter_name: str | None
     if existing is not None and existing.meta.get("gamma", 0) < gamma:
         print(f"dspark: {path} covers {existing.meta.get('gamma')} drafts per request, {gamma} are needed; "
               f"re-profiling", file=sys.stderr)
+        existing = None
+    if existing is not None and gamma > 1 and existing.cost.width is None and reprofile:
+        print(f"dspark: {path} was profiled without the drafter's per-slot cost (an older dspark); re-profiling",
+              file=sys.stderr)
         existing = None
     if existing is not None:
         missing = existing.missing(batches, gamma)

@@ -62,6 +62,12 @@ class CostModel:
     alpha: float = 0.25
     #: measurements after which a step kind or cell counts as stale and follows the level above it
     stale_after: int = 32
+    #: seconds one more drafted slot adds to a drafted step, per profiled batch size (the drafting call's slope
+    #: in its width, `dspark.profiling.profile_steps`); with `width`, a step drafting fewer slots than the
+    #: profile did costs that much less (`width_saving`). Empty: the drafted width costs nothing
+    draft_slot: dict[int, float] = field(default_factory=dict)
+    #: the drafted width at which the drafted cells were measured (None: unknown; the width costs nothing)
+    width: int | None = None
     #: online correction, in log(measured / table): a machine-wide level; per step kind (drafted / plain)
     #: and per cell its mean, the level and the measurement count when it was last measured, and how many
     #: measurements it has had (a cell: since it was new or last went stale)
@@ -85,6 +91,13 @@ class CostModel:
             raise ValueError("a cost model needs at least one drafted and one plain entry")
         self.drafted = {int(b): sorted((int(n), float(s)) for n, s in cells) for b, cells in self.drafted.items()}
         self.plain = {int(b): float(s) for b, s in self.plain.items()}
+        self.draft_slot = {int(b): float(s) for b, s in self.draft_slot.items()}
+        for b, s in self.draft_slot.items():
+            if not (math.isfinite(s) and s >= 0):
+                raise ValueError(f"cost model draft_slot B={b} has seconds={s}; expected a non-negative number")
+        if self.width is not None and (int(self.width) != self.width or self.width < 1):
+            raise ValueError(f"cost model width must be a positive integer, got {self.width!r}")
+        self._slot_batches = np.array(sorted(self.draft_slot))
         for b, cells in self.drafted.items():
             if not cells:
                 raise ValueError(f"cost model row B={b} has no cells")
@@ -127,18 +140,38 @@ class CostModel:
             out[~inside] = secs[-1] + slope * (n[~inside] - ns[-1])
         return out * factor, np.minimum(idx, len(ns))
 
-    def cost_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
-        """Seconds of drafted steps with `batch` requests for each entry of `tokens` (vectorised)."""
+    def cost_many(self, batch: int, tokens: np.ndarray, width: int | None = None) -> np.ndarray:
+        """Seconds of drafted steps with `batch` requests for each entry of `tokens` (vectorised), drafting
+        `width` slots (None: the profiled width)."""
         base, idx = self._base_many(batch, tokens)
         if not self._cells:
-            return base * self._scale(None, "d") + self.overhead.fixed(batch)
-        b, factor = self._row_for(batch)
-        ns, _ = self._rows[b]
-        scale, corrected = self._row_scales(b)
-        out = base * scale[idx]
-        inside = idx < len(ns)
-        out[inside] = corrected[idx[inside]] * factor  # corrected cells stay monotone too
+            out = base * self._scale(None, "d")
+        else:
+            b, factor = self._row_for(batch)
+            ns, _ = self._rows[b]
+            scale, corrected = self._row_scales(b)
+            out = base * scale[idx]
+            inside = idx < len(ns)
+            out[inside] = corrected[idx[inside]] * factor  # corrected cells stay monotone too
+        saving = self.width_saving(batch, width)
+        if saving:  # never below half the profiled width's cost: a slope extrapolated too far is not trusted
+            out = np.maximum(out - saving, 0.5 * out)
         return out + self.overhead.fixed(batch)
+
+    def width_saving(self, batch: int, width: int | None) -> float:
+        """Seconds a drafted step of `batch` requests saves by drafting `width` slots instead of the profiled
+        width (negative when wider): `draft_slot` at the profiled batch size at or above `batch` (scaled up
+        past the largest), times the slots saved, times the online correction of drafted steps. 0 without
+        per-slot costs, a profiled width or a `width`."""
+        if width is None or self.width is None or not self.draft_slot or width == self.width:
+            return 0.0
+        i = int(np.searchsorted(self._slot_batches, batch))
+        if i < len(self._slot_batches):
+            slot = self.draft_slot[int(self._slot_batches[i])]
+        else:
+            top = int(self._slot_batches[-1])
+            slot = self.draft_slot[top] * batch / top
+        return slot * (self.width - int(width)) * self._scale(None, "d")
 
     def _row_scales(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(correction factor of each cell of drafted row `b` and past it [len + 1], the row's corrected
@@ -164,9 +197,10 @@ class CostModel:
         out[inside] = np.floor(ns[idx[inside]] * factor)
         return np.maximum(out, n).astype(np.int64)
 
-    def cost(self, batch: int, tokens: int) -> float:
-        """Seconds of a drafted step with `batch` requests and `tokens` query tokens."""
-        return float(self.cost_many(batch, np.array([tokens]))[0])
+    def cost(self, batch: int, tokens: int, width: int | None = None) -> float:
+        """Seconds of a drafted step with `batch` requests and `tokens` query tokens, drafting `width` slots
+        (None: the profiled width)."""
+        return float(self.cost_many(batch, np.array([tokens]), width)[0])
 
     def _plain_key(self, batch: int) -> tuple[int, float]:
         i = int(np.searchsorted(self._plain_batches, batch))
@@ -210,8 +244,9 @@ class CostModel:
         return mean + ((self._cell_log(parent, kind) if parent is not None else self._level) - parent_then)
 
     # -- online correction ----------------------------------------------------------------------------
-    def observe(self, batch: int, tokens: int, seconds: float, drafted: bool) -> None:
-        """Fold a measured step time into the model.
+    def observe(self, batch: int, tokens: int, seconds: float, drafted: bool, width: int | None = None) -> None:
+        """Fold a measured step time into the model (a drafted step's, drafting `width` slots, first brought to
+        the profiled width by `width_saving`).
 
         Exponentially forgetting means of log(measured / table), in a hierarchy: per cell (a drafted step of
         one batch row and profiled N, or a batch row's plain step), per batch row of drafted steps, per step
@@ -231,6 +266,7 @@ class CostModel:
         if not (math.isfinite(seconds) and seconds > 0):
             return
         if drafted:
+            seconds += self.width_saving(batch, width)
             base, idx = self._base_many(batch, np.array([tokens]))
             key = ("d", self._row_for(batch)[0], int(idx[0]))
             table = float(base[0])
@@ -283,8 +319,12 @@ class CostModel:
     # -- (de)serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The table as JSON-ready data (online corrections are not saved)."""
-        return {"layout": self.layout, "plain": {str(b): s for b, s in sorted(self.plain.items())},
-                "drafted": {str(b): [[n, s] for n, s in c] for b, c in sorted(self.drafted.items())}}
+        out = {"layout": self.layout, "plain": {str(b): s for b, s in sorted(self.plain.items())},
+               "drafted": {str(b): [[n, s] for n, s in c] for b, c in sorted(self.drafted.items())}}
+        if self.draft_slot and self.width is not None:
+            out["draft_slot"] = {str(b): s for b, s in sorted(self.draft_slot.items())}
+            out["width"] = self.width
+        return out
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "cost model") -> "CostModel":
@@ -292,13 +332,17 @@ class CostModel:
         for key in ("plain", "drafted"):
             if not isinstance(data.get(key), dict) or not data[key]:
                 raise ValueError(f"{where}: field {key!r} is missing or empty")
+        slots, width = data.get("draft_slot", {}), data.get("width")
+        if not isinstance(slots, dict) or (width is not None and (not isinstance(width, int) or isinstance(width, bool))):
+            raise ValueError(f"{where}: field 'draft_slot' must be an object and 'width' an integer")
         try:
             drafted = {int(b): [(int(n), float(s)) for n, s in cells] for b, cells in data["drafted"].items()}
             plain = {int(b): float(s) for b, s in data["plain"].items()}
+            draft_slot = {int(b): float(s) for b, s in slots.items()}
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: malformed table ({err})") from None
         try:
-            return cls(drafted, plain, data.get("layout", "padded"))
+            return cls(drafted, plain, data.get("layout", "padded"), draft_slot=draft_slot, width=width)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
 
@@ -309,18 +353,22 @@ def _envelope(seconds: np.ndarray) -> np.ndarray:
 
 
 def uniform_cost_model(gamma: int = 7, batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                       draft_share: float = 0.2, per_token: float = 0.002, layout: str = "ragged") -> CostModel:
+                       draft_share: float = 0.2, per_token: float = 0.002, layout: str = "ragged",
+                       slot_fraction: float = 0.0) -> CostModel:
     """A synthetic memory-bound-then-compute-bound curve (for tests and the simulator's defaults).
 
-    A plain step of B requests costs 1 + per_token·B; drafting adds draft_share of a step at batch 1, and
-    verification adds per_token per query token.
+    A plain step of B requests costs 1 + per_token·B; drafting γ slots adds draft_share of a plain step, and
+    verification adds per_token per query token. slot_fraction of the drafting cost grows with the drafted
+    width (`CostModel.draft_slot`; 0: the width costs nothing).
     """
-    drafted, plain = {}, {}
+    drafted, plain, slots = {}, {}, {}
     for b in batches:
         plain[b] = 1.0 + per_token * b
         top = b * (gamma + 1)
         drafted[b] = [(n, 1.0 + draft_share * (1 + per_token * b) + per_token * n) for n in range(b, top + 1)]
-    return CostModel(drafted, plain, layout)
+        slots[b] = slot_fraction * draft_share * (1 + per_token * b) / max(1, gamma)
+    return CostModel(drafted, plain, layout, draft_slot=slots if slot_fraction else {},
+                     width=gamma if slot_fraction else None)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -373,11 +421,19 @@ def admission_order(survival, limits: Sequence[int]) -> tuple[np.ndarray, np.nda
     return rows[order], cols[order] + 1, vals[order]
 
 
+def _drafted_width(survival) -> int | None:
+    """The drafted width of a step whose survivals are `survival` [R, w] (what its drafting call cost)."""
+    a = survival if isinstance(survival, np.ndarray) else _as_numpy(survival)
+    return int(a.shape[1]) if a.ndim == 2 else None
+
+
 def _path(survival, limits, cost: CostModel, token_budget: int | None):
     """Admission path: rows, positions, survivals, tokens N_j, seconds for j = 0..M admitted, and (padded
-    layout) the seconds of a step at each width w = 0..max limit, which the cut reads too."""
+    layout) the seconds of a step at each width w = 0..max limit, which the cut reads too. Steps are priced
+    as drafting the survival matrix's width (`CostModel.width_saving`)."""
     lim = _as_numpy(limits, np.int64)
     num = len(lim)
+    drafted = _drafted_width(survival)
     rows, pos, vals = admission_order(survival, lim)
     width_seconds = None
     if cost.layout == "ragged":
@@ -390,9 +446,9 @@ def _path(survival, limits, cost: CostModel, token_budget: int | None):
         stop = len(fits) if fits.all() else int(np.argmin(fits))
         rows, pos, vals, tokens = rows[: max(0, stop - 1)], pos[: max(0, stop - 1)], vals[: max(0, stop - 1)], tokens[:stop]
     if cost.layout == "ragged":
-        seconds = cost.cost_many(num, tokens)
+        seconds = cost.cost_many(num, tokens, drafted)
     else:  # every padded step is one of max limit + 1 widths: price those once
-        width_seconds = cost.cost_many(num, num * (1 + np.arange(int(lim.max(initial=0)) + 1)))
+        width_seconds = cost.cost_many(num, num * (1 + np.arange(int(lim.max(initial=0)) + 1)), drafted)
         seconds = width_seconds[tokens // num - 1]
     return rows, pos, vals, tokens, seconds, width_seconds
 
@@ -419,12 +475,13 @@ def _plateau_room(lim: np.ndarray, tokens: np.ndarray, cost: CostModel,
 
 
 def _best_continuation(tau_before: float, v: float, admitted: int, width: int, lim: np.ndarray, cost: CostModel,
-                       max_tokens: int | None, width_seconds: np.ndarray | None = None) -> float:
+                       max_tokens: int | None, width_seconds: np.ndarray | None = None,
+                       drafted: int | None = None) -> float:
     """Upper bound on Θ of any step that admits the next candidate (survival v) after `admitted` others, and
     maybe more: every later candidate survives at most v, and the limits (not later candidates) say how
     many there can be. Ragged: every added draft is a token; padded: a step of width w holds
     Σ min(limit, w) drafts for w ≥ `width` (the width with the candidate), priced by `width_seconds` where
-    given (`_path`). Reads v, the limits and the costs."""
+    given (`_path`), else as steps drafting `drafted` slots. Reads v, the limits and the costs."""
     num = len(lim)
     if cost.layout == "ragged":
         extra = np.arange(1, int(lim.sum()) - admitted + 1)
@@ -440,15 +497,17 @@ def _best_continuation(tau_before: float, v: float, admitted: int, width: int, l
         return -math.inf
     extra, tokens = extra[keep], tokens[keep]
     if cost.layout == "ragged" or width_seconds is None:
-        seconds = cost.cost_many(num, tokens)
+        seconds = cost.cost_many(num, tokens, drafted)
     else:
         seconds = width_seconds[tokens // num - 1]
     return float(np.max((tau_before + extra * v) / seconds))
 
 
 def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: np.ndarray, cost: CostModel,
-                pos: np.ndarray, max_tokens: int | None, width_seconds: np.ndarray | None = None) -> int:
-    """How many candidates of the path Algorithm 1 admits (see prefix_schedule)."""
+                pos: np.ndarray, max_tokens: int | None, width_seconds: np.ndarray | None = None,
+                drafted: int | None = None) -> int:
+    """How many candidates of the path Algorithm 1 admits (see prefix_schedule); `drafted`: the step's drafted
+    width, which prices it."""
     num = len(lim)
     tau = num + np.concatenate([[0.0], np.cumsum(vals)])
     theta = tau / seconds
@@ -467,7 +526,7 @@ def _prefix_cut(vals: np.ndarray, tokens: np.ndarray, seconds: np.ndarray, lim: 
         if room[j] <= 1:
             return int(j)
         if _best_continuation(tau[j], vals[j], int(j), int(widths[j]), lim, cost, max_tokens,
-                              width_seconds) <= best_before[j]:
+                              width_seconds, drafted) <= best_before[j]:
             return int(j)
     return len(vals)
 
@@ -490,7 +549,8 @@ def prefix_schedule(survival, limits: Sequence[int], cost: CostModel,
     lim = _as_numpy(limits, np.int64)
     num = len(lim)
     rows, pos, vals, tokens, seconds, width_seconds = _path(survival, lim, cost, token_budget)
-    count = _prefix_cut(vals, tokens, seconds, lim, cost, pos, token_budget, width_seconds)
+    count = _prefix_cut(vals, tokens, seconds, lim, cost, pos, token_budget, width_seconds,
+                        _drafted_width(survival))
     tau = num + vals[:count].sum()
     return _lengths_from(rows, count, num), float(tau / seconds[count])
 
@@ -506,6 +566,28 @@ def best_capacity(survival, limits: Sequence[int], cost: CostModel, token_budget
     theta = (len(lim) + np.concatenate([[0.0], np.cumsum(vals)])) / seconds
     best = int(np.argmax(theta))
     return best, float(theta[best])
+
+
+def best_width(survival, limits: Sequence[int], cost: CostModel, token_budget: int | None = None) -> int:
+    """The drafted width w (1 .. the survival matrix's width) whose best step is fastest: for each w, the
+    highest Θ over the admission path of the candidates at positions ≤ w, every step priced as drafting w
+    slots (`CostModel.width_saving`); the narrowest such w on ties.
+
+    It reads the whole matrix, so it must only be applied to survivals of steps already finished (an adaptive
+    policy chooses the next step's width from the last planned step's); on the current block it would
+    anticipate.
+    """
+    a = _as_numpy(survival)
+    lim = _as_numpy(limits, np.int64)
+    if a.ndim != 2 or a.shape[1] == 0 or not len(lim):
+        return max(1, a.shape[-1] if a.ndim == 2 else 1)
+    best, best_theta = 1, -math.inf
+    for w in range(1, a.shape[1] + 1):
+        _, _, vals, _, seconds, _ = _path(a[:, :w], np.minimum(lim, w), cost, token_budget)
+        theta = float(np.max((len(lim) + np.concatenate([[0.0], np.cumsum(vals)])) / seconds))
+        if theta > best_theta * (1 + 1e-9):
+            best, best_theta = w, theta
+    return best
 
 
 def top_capacity(survival, limits: Sequence[int], capacity: int, cost: CostModel | None = None,
@@ -561,6 +643,12 @@ class Scheduler:
     cost model has measured drafted steps runs one plain step (a plain probe) at a batch size whose plain steps it never measured, and, while
     `unsure`, when no plain step was measured in the model's last `stale_after` steps: its comparison then
     reads plain costs as measured under the same load.
+
+    An adaptive policy also chooses how many slots the next step drafts (`draft_limit`), before drafting and
+    from the last planned step only (non-anticipating): the width at which that step's survivals gave the
+    fastest step, each width priced by the drafter's per-slot cost (`best_width`), one slot wider when that
+    was the whole drafted width (so a narrowed width can grow back), and the whole block until a step has
+    been planned. Gains are judged at the best width too.
     """
 
     #: weight of a drafted step in the smoothed gain
@@ -600,6 +688,7 @@ class Scheduler:
         self._unplanned = 0  # drafted steps since the last plan
         self._gain_bucket = 0  # the batch bucket of the last planned step (where `_gain` was last updated)
         self.skipped_plans = 0
+        self._width: int | None = None  # an adaptive policy's next drafted width (None: the whole block)
 
     @property
     def needs_survival(self) -> bool:
@@ -624,9 +713,12 @@ class Scheduler:
 
     @property
     def draft_limit(self) -> int | None:
-        """Drafts per row a step can verify at most whatever the drafts and their survival say (fixed:K: K),
-        so a drafter need draft no more; None where that depends on the drafts (every adaptive policy)."""
-        return self.param if self.kind == "fixed" else None
+        """How many slots the next step needs drafted, decided before drafting: fixed:K verifies at most K; an
+        adaptive policy drafts the width its last planned step found fastest (see the class docstring). None:
+        the whole block."""
+        if self.kind == "fixed":
+            return self.param
+        return self._width if self.adaptive else None
 
     @property
     def never_drafts(self) -> bool:
@@ -780,7 +872,7 @@ class Scheduler:
         """Smooth log(Θ of the plan / Θ of the full block) into this batch bucket's advantage (`plan_pays`)."""
         full = cap_to_budget(lim, token_budget, cost.layout)
         reach = np.arange(a.shape[1])[None, :] < full[:, None]
-        seconds = cost.cost(len(lim), step_tokens(full, cost.layout))
+        seconds = cost.cost(len(lim), step_tokens(full, cost.layout), a.shape[1])
         advantage = math.log(max(theta, 1e-300) * seconds / max(len(lim) + float(a[reach].sum()), 1e-300))
         key = _bucket(len(lim))
         old = self._advantage.get(key)
@@ -797,7 +889,8 @@ class Scheduler:
         return self._typical_gain(num_rows, self._last_cost) + self._gate_bias.get(_bucket(num_rows), 0.0) >= 0
 
     def _typical_gain(self, num_rows: int, cost: CostModel) -> float:
-        """log(Θ / Θ of plain decoding) of Algorithm 1 on the typical row repeated for `num_rows` requests."""
+        """log(Θ / Θ of plain decoding) of Algorithm 1 on the typical row repeated for `num_rows` requests, at
+        the row's best drafted width."""
         return _row_gain(self._last_mean, num_rows, cost)
 
     def _note_probe(self, num: int, gain: float, cost: CostModel) -> None:
@@ -837,17 +930,20 @@ class Scheduler:
             raise ValueError(f"scheduler {self.spec!r} needs a cost model")
         ids = list(range(num)) if request_ids is None else list(request_ids)
         stale = self._history[0] if len(self._history) == 2 else None
-        self._history.append({i: a[r] for r, i in enumerate(ids)})
+        whole = self._whole_width(a)
+        self._history.append({i: whole[r] for r, i in enumerate(ids)})
         if self.kind == "dspark" or stale is None:
             lengths, theta = prefix_schedule(a, lim, cost, token_budget)
             capacity = int(lengths.sum())
             if self.kind == "dspark":
                 self._note_advantage(a, lim, cost, token_budget, theta)
-        else:  # dspark-async: capacity from survivals two steps old, admitted by current survival
+        else:  # dspark-async: capacity from survivals two steps old (at this step's width), admitted by current survival
             fallback = np.mean(list(stale.values()), axis=0)
-            old = np.stack([stale.get(i, fallback) for i in ids])
+            old = np.stack([stale.get(i, fallback) for i in ids])[:, : a.shape[1]]
             capacity, theta = best_capacity(old, lim, cost, token_budget)
             lengths = top_capacity(a, lim, capacity, cost, token_budget)
+        width = best_width(a, lim, cost, token_budget)  # the next step's, from this finished block's survivals
+        self._width = min(self.gamma, width + 1) if width >= a.shape[1] else width
         self._last_cost = cost
         gain = _log_gain(theta, cost.plain_cost(num), num)
         if self.adaptive and self._probing and (lim > 0).any():
@@ -857,6 +953,12 @@ class Scheduler:
         self._note_typical(a, lim)
         self._after_plan(gain, num)
         return StepPlan(lengths.tolist(), theta, capacity)
+
+    def _whole_width(self, a: np.ndarray) -> np.ndarray:
+        """Survivals [R, w] of a block drafted `w` slots wide as [R, γ] (zero past w: no such drafts)."""
+        if a.shape[1] >= self.gamma:
+            return a
+        return np.pad(a, ((0, 0), (0, self.gamma - a.shape[1])))
 
     def _drafting_rows_gain(self, a: np.ndarray, lim: np.ndarray, num: int, cost: CostModel) -> float:
         """The step's gain had every row drafted like the rows that could: Algorithm 1 on their mean survival
@@ -873,7 +975,8 @@ class Scheduler:
         at first)."""
         if not len(a) or not a.shape[1]:
             return
-        mean, count = _drafting_mean(a, lim)
+        # a narrower block says nothing of the positions past it: they keep their typical value
+        mean, count = _drafting_mean(self._whole_width(a), np.minimum(lim, a.shape[1]))
         if self._last_mean is None or self._last_mean.shape != mean.shape:
             typical = np.nan_to_num(mean, nan=0.0)
         else:
@@ -916,9 +1019,11 @@ def _drafting_mean(a: np.ndarray, lim: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def _row_gain(row: np.ndarray, num_rows: int, cost: CostModel) -> float:
-    """log(Θ / Θ of plain decoding) of Algorithm 1 on survival `row` repeated for `num_rows` requests."""
+    """log(Θ / Θ of plain decoding) of Algorithm 1 on survival `row` repeated for `num_rows` requests, drafted
+    at the width among 1 .. len(row) where that is highest (each priced as drafting that many slots)."""
     a = np.repeat(row[None, :], num_rows, axis=0)
-    _, theta = prefix_schedule(a, np.full(num_rows, a.shape[1]), cost)
+    widths = range(1, a.shape[1] + 1) if a.shape[1] > 1 and cost.width_saving(num_rows, 1) else [a.shape[1]]
+    theta = max(prefix_schedule(a[:, :w], np.full(num_rows, w), cost)[1] for w in widths)
     return _log_gain(theta, cost.plain_cost(num_rows), num_rows)
 
 

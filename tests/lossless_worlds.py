@@ -200,7 +200,8 @@ class TableDrafter(Drafter):
 
     confidences: None (no head), a list of γ vectors [V] (c_k = conf[k−1][x_{k−1}]: it reads only the token
     before, as DSpark's head does), or "own-q" (c_k = q_k(x_k), the drafted token's own probability: the
-    anticipating estimator that must be caught). `calibration` is read by the decoding loop when set.
+    anticipating estimator that must be caught). `calibration` is read by the decoding loop when set. It drafts
+    only the first `draft_limit` slots when the decoding loop sets one, as the block drafters do.
     """
 
     name = "table"
@@ -213,10 +214,11 @@ class TableDrafter(Drafter):
 
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         prev = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
-        u = row_uniforms(sampling, generators, self.gamma)
+        width = min(self.gamma, self.draft_limit or self.gamma)
+        u = row_uniforms(sampling, generators, width)
         greedy = sampling.greedy
         tokens, probs, conf = [], [], []
-        for k, table in enumerate(self.tables):
+        for k, table in enumerate(self.tables[:width]):
             q = table[prev]
             x = draw(q, u[:, k], greedy)
             if self.confidences == "own-q":
@@ -227,7 +229,7 @@ class TableDrafter(Drafter):
             probs.append(q)
             prev = x
         num = len(sequences)
-        return DraftBlock(tokens=torch.stack(tokens, 1), lengths=torch.full((num,), self.gamma, dtype=torch.long),
+        return DraftBlock(tokens=torch.stack(tokens, 1), lengths=torch.full((num,), width, dtype=torch.long),
                           probs=torch.stack(probs, 1), confidences=torch.stack(conf, 1) if conf else None)
 
 
@@ -284,8 +286,29 @@ class GlobalSearch(Scheduler):
         return StepPlan(top_capacity(a, limits, capacity, cost, token_budget).tolist(), theta, capacity)
 
 
+class CurrentWidth(Scheduler):
+    """Anticipating on purpose: dspark with the drafted width chosen from the CURRENT block's survivals
+    (`best_width` over the block being planned, then Algorithm 1 on that many slots) instead of from the last
+    finished step's. The width's choice reads a[k + 1], which reads x_k, and so decides on draft k after
+    seeing it. Must be caught by the distribution tests."""
+
+    def __init__(self, gamma: int) -> None:
+        super().__init__("dspark", gamma)
+
+    def plan(self, survival, limits, cost=None, token_budget=None, request_ids=None) -> StepPlan:
+        from dspark.scheduling import best_width, prefix_schedule
+
+        a = np.asarray(survival, dtype=np.float64)
+        width = best_width(a, limits, cost, token_budget)
+        lengths, theta = prefix_schedule(a[:, :width], np.minimum(limits, width), cost, token_budget)
+        return StepPlan(lengths.tolist(), theta, int(lengths.sum()))
+
+
+ANTICIPATING = {"global-search": GlobalSearch, "current-width": CurrentWidth}
+
+
 def make_policy(spec: str, gamma: int) -> Scheduler:
-    return GlobalSearch(gamma) if spec == "global-search" else Scheduler(spec, gamma)
+    return ANTICIPATING[spec](gamma) if spec in ANTICIPATING else Scheduler(spec, gamma)
 
 
 class HostedSteps(Scheduler):

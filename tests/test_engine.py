@@ -500,3 +500,37 @@ def test_a_fixed_k_engine_has_only_k_slots_drafted(bundled_target, prompts):
     assert drafter.draft_limit == 1  # the last engine's
     assert dspark.scheduling.Scheduler("fixed:3", gamma).draft_limit == 3
     assert dspark.scheduling.Scheduler("dspark", gamma).draft_limit is None
+
+
+@pytest.mark.parametrize("spec", ["dspark", "dspark-async"])
+def test_an_adaptive_engine_narrows_its_drafted_width_where_slots_cost(bundled_target, prompts, spec):
+    """Each drafted slot costs a seventh of a plain step: the policy drafts the whole block until it has planned
+    a step, then the width its last planned step found fastest (narrower here), chosen before drafting; the
+    cost model prices every drafted step at its width; greedy rows stay identical to target-only decoding."""
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    gamma, widths, limits, propose = drafter_gamma(drafter), [], [], drafter.propose
+    infos = []
+
+    def spy(*args):
+        limits.append(drafter.draft_limit)  # what the engine asked for, before the call
+        block = propose(*args)
+        widths.append(block.tokens.shape[1])
+        return block
+
+    drafter.propose = spy
+    cost = uniform_cost_model(gamma=gamma, batches=(1, 2, 3), layout="padded", draft_share=1.0, slot_fraction=1.0)
+    ids = prompts[:3]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=3)]
+    res = decode(bundled_target, drafter, ids, params, 24, scheduler=spec, cost_model=cost, on_step=infos.append,
+                 online_cost=False)  # the table as it is, so the predictions can be checked after the run
+    assert widths[0] == gamma and limits[0] is None  # nothing planned yet: the whole block
+    assert min(widths) < gamma  # narrowed
+    assert widths == [gamma if w is None else w for w in limits]
+    assert [i.draft_width for i in infos if i.drafted] == widths
+    for info in infos:  # the prediction prices the step at its drafted width
+        if info.drafted:
+            width_cost = cost.cost(info.batch, info.tokens, info.draft_width) - cost.overhead.fixed(info.batch)
+            assert info.predicted_seconds == pytest.approx(width_cost)
+    for r in range(2):
+        assert res[r].token_ids == standalone(bundled_target, ids[r], 24)
+    assert all(max(i.lengths) <= i.draft_width for i in infos if i.drafted)

@@ -47,6 +47,7 @@ from dspark.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from dspark.drafters.block import BlockDrafter, DSparkModel
 from dspark.drafters.dflash_model import DFlashConfig
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+from dspark.engine import Engine, EngineConfig, Request
 from dspark.sampling import SamplingParams
 from dspark.scheduling import CostModel, Scheduler
 from dspark.target import CausalLM
@@ -324,17 +325,32 @@ def test_appendix_a_global_search_is_caught_and_shipped_policies_pass():
 
 def check_ab_first_tokens(res, specs: list[str], expected_lengths: dict[str, set[int]], biased_a: float) -> None:
     """Rows of `res` take turns over `specs`; per spec the first drafting round verified the expected draft
-    counts, and its token follows (0.7, 0.3), except under the global search, whose P(A) is `biased_a`."""
+    counts, and its token follows (0.7, 0.3), except under an anticipating policy (the global search, the width
+    from the current block), whose P(A) is `biased_a`."""
     for k, spec in enumerate(specs):
         rows = res[k :: len(specs)]
         assert {r.rounds[1].draft_len for r in rows} == expected_lengths[spec], spec
         first = np.array([r.token_ids[1] for r in rows])  # the first drafting round's token
         p = gof_pvalue(np.bincount(first, minlength=2), np.array([0.7, 0.3]))
-        if spec == "global-search":
+        if spec in ("global-search", "current-width"):
             assert p < ALPHA
             assert abs(binomial_z(int((first == 0).sum()), len(first), biased_a)) < Z
         else:
             assert p > ALPHA, (spec, (first == 0).mean())
+
+
+def one_round_ab_steps(confidences: list[list[float]], specs: list[str], cost: CostModel, rows: int, seed: int):
+    """`rows` one-request steps in the A/B world (target (0.7, 0.3), every draft (0.5, 0.5), c_k after A and B as
+    given), each request ending after its first drafting round; the steps take turns over `specs`."""
+    half = primed_table(torch.full((2, 2), 0.5))
+    drafter = TableDrafter([half] * len(confidences),
+                           confidences=[primed_vector(torch.tensor(c)) for c in confidences])
+    host = HostedSteps(specs, gamma=len(confidences), group_size=1, memo=True)
+    params = [seeded(T1, seed + i) for i in range(rows)]
+    res = decode(markov_target(A_B), drafter, [AB_PROMPT] * rows, params, max_new_tokens=len(confidences) + 2,
+                 scheduler=host, cost_model=cost, eos_token_ids=frozenset({0, 1}), online_cost=False)
+    assert all(len(r.rounds) == 2 for r in res)
+    return res
 
 
 # A staircase: leaving the first cell costs a one-off jump (N = 2..3 at 2.7), after which a token is cheap
@@ -352,18 +368,63 @@ def test_staircase_lookahead_of_dspark_stays_lossless():
     < Θ0, with a near-zero a_2 riding along). The decision on draft 1 reads a_1 and the limits only, so the first
     token follows (0.7, 0.3). A global argmax over the current block verifies 3 after A, A and none
     otherwise: P(A) = 0.25 + 0.75·0.7 = 0.775 (23 standard errors from 0.7 at 20,000 samples), caught."""
-    target = markov_target(A_B)
-    half = primed_table(torch.full((2, 2), 0.5))
-    drafter = TableDrafter([half, half, half], confidences=[primed_vector(torch.tensor([0.8, 0.8])),
-                                                            primed_vector(torch.tensor([0.9, 0.0])),
-                                                            primed_vector(torch.tensor([0.95, 0.0]))])
-    host = HostedSteps(STAIRCASE_SPECS, gamma=3, group_size=1, memo=True)
-    params = [seeded(T1, 12_000_000 + i) for i in range(STAIRCASE_ROWS)]
-    res = decode(target, drafter, [AB_PROMPT] * STAIRCASE_ROWS, params, max_new_tokens=5, scheduler=host,
-                 cost_model=STAIRCASE_COST, eos_token_ids=frozenset({0, 1}), online_cost=False)
-    assert all(len(r.rounds) == 2 for r in res)
+    res = one_round_ab_steps([[0.8, 0.8], [0.9, 0.0], [0.95, 0.0]], STAIRCASE_SPECS, STAIRCASE_COST, STAIRCASE_ROWS,
+                             12_000_000)
     expected_lengths = {"global-search": {0, 3}, "dspark": {2, 3}}  # the paper's stop would give {0}
     check_ab_first_tokens(res, STAIRCASE_SPECS, expected_lengths, biased_a=0.775)
+
+
+# Drafting costs 0.3 of a step per slot: a step drafting one slot instead of two is 0.3 cheaper. At the full
+# width Θ = 1, 1.8 / 1.7 = 1.06, then 2.52 / 1.72 = 1.47 after A; drafting one slot, Θ = 1 / 0.7 = 1.43 and
+# 1.8 / 1.4 = 1.29.
+WIDTH_COST = CostModel(drafted={1: [(1, 1.0), (2, 1.7), (3, 1.72)]}, plain={1: 1.0}, layout="ragged",
+                       draft_slot={1: 0.3}, width=2)
+WIDTH_SPECS = ["current-width", "dspark"]
+WIDTH_ROWS = 40_000  # 20,000 per policy
+
+
+def test_width_from_the_current_block_is_caught_and_dspark_passes():
+    """The Appendix A world (c_1 = 0.8; c_2 = 0.9 after A, else 0) with a drafter whose slots cost: the best
+    width of the block after A is 2 (Θ 1.47 > 1.43), after B 1 (a_2 = 0: the second slot buys nothing), and a
+    one-slot step verifies nothing (Θ1 1.29 < Θ0 1.43). So a width chosen from the current block verifies
+    2 drafts after A and none after B: P(A) = 0.5 + 0.5·0.7 = 0.85, caught. dspark chooses the width before
+    drafting, from the last finished step (here each request's first: the whole block), and verifies draft
+    1 after either token (Θ1 1.06 > Θ0 at the full width)."""
+    res = one_round_ab_steps([[0.8, 0.8], [0.9, 0.0]], WIDTH_SPECS, WIDTH_COST, WIDTH_ROWS, 14_000_000)
+    check_ab_first_tokens(res, WIDTH_SPECS, {"current-width": {0, 2}, "dspark": {1, 2}}, biased_a=0.85)
+
+
+WIDTH_STEPS_REQUESTS = 1_200  # 300 per prompt
+
+
+def test_dspark_choosing_its_width_across_steps_stays_lossless():
+    """One dspark scheduler runs every step of a continuously batched engine (4 running requests, each
+    joining while others are mid-way), over the random world of seed 4 with a drafter that drafts only the
+    width asked for and a jagged cost curve whose slots cost: the width changes from step to step, chosen
+    from earlier steps' survivals (those of other requests as much as the joining request's). Tokens 2 and 3
+    of each prompt must follow the target's exact joint distribution."""
+    target, drafter, vocab, gamma = random_world(4)
+    cost = jagged_cost_model(GROUP_SIZE, gamma, "padded", np.random.default_rng(4))
+    cost = CostModel(cost.drafted, cost.plain, cost.layout,
+                     draft_slot={b: 0.15 * cost.plain[b] for b in cost.plain}, width=gamma)
+    widths = []
+    engine = Engine(target, drafter, "dspark", cost,
+                    EngineConfig(max_running=GROUP_SIZE, max_waiting=WIDTH_STEPS_REQUESTS, online_cost=False,
+                                 detokenize=False),
+                    on_step=lambda info: widths.append(info.draft_width))
+    reqs = [Request([prompt_token(i % GROUP_SIZE, vocab)], seeded(T1, 50_000_000 + i), max_tokens=4)
+            for i in range(WIDTH_STEPS_REQUESTS)]
+    for req in reqs:
+        engine.add(req)
+    while engine.has_work:
+        engine.step()
+    assert set(widths) - {None} == set(range(1, gamma + 1)), sorted(set(widths) - {None})  # the width moves
+    parts = []
+    for j in range(GROUP_SIZE):
+        exact = exact_pair(target, [prompt_token(j, vocab), start_token(j, vocab)], T1)
+        rows = [r.output_ids for i, r in enumerate(reqs) if i % GROUP_SIZE == j]
+        parts.append((pair_counts(rows, 3 * vocab, skip=1), exact))
+    assert combined_pvalue(parts) > ALPHA
 
 
 # ------------------------------------------------------------------------------------------------------

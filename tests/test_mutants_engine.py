@@ -367,9 +367,9 @@ def recording_cost(layout):
     cost.seen = []
     observe = cost.observe
 
-    def record(batch, tokens, seconds, drafted):
-        cost.seen.append((batch, tokens, seconds, drafted))
-        observe(batch, tokens, seconds, drafted)
+    def record(batch, tokens, seconds, drafted, width=None):
+        cost.seen.append((batch, tokens, seconds, drafted, width))
+        observe(batch, tokens, seconds, drafted, width)
 
     cost.observe = record
     return cost
@@ -395,7 +395,8 @@ def test_step_info_and_cost_model_observations(layout):
             assert info.capacity is None and info.lengths == [r.rounds[i + 1].available for r in rows]
         else:
             assert info.capacity is None and info.expected_throughput is None and sum(info.lengths) == 0
-        assert seen == (info.batch, info.tokens, info.seconds, info.drafted)
+        assert seen == (info.batch, info.tokens, info.seconds, info.drafted, info.draft_width)
+        assert info.draft_width == (3 if info.drafted else None)  # the scripted drafter's block, priced as drafted
         assert info.planned == (info.capacity is not None)
         # the round's parts add up within it, and the round lies within its step
         assert min(info.draft_seconds, info.schedule_seconds, info.target_seconds, info.prefill_seconds) >= 0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -52,6 +54,12 @@ def test_every_cell_is_measured_on_the_padded_grid(profiles, name, gamma):
         row, smoothed = fit_row({int(n): t for n, t in p.meta["drafted_times"][str(b)].items()})
         assert p.cost.drafted[b] == row and (b in p.meta["smoothed_rows"]) == smoothed  # a row from its repeats
     assert p.meta["gamma"] == gamma and p.meta["prompt_source"] == "random"
+    # the per-slot drafting cost: a step verifying nothing at the full width against one drafting a single slot
+    assert p.cost.width == gamma and sorted(p.cost.draft_slot) == [1, 2]
+    for b in (1, 2):
+        narrow, full = p.meta["narrow_times"][str(b)], p.meta["drafted_times"][str(b)][str(b)]
+        assert len(narrow) == 2
+        assert p.cost.draft_slot[b] == pytest.approx(max(0.0, (np.median(full) - np.median(narrow)) / (gamma - 1)))
     assert set(FINGERPRINT_FIELDS) <= set(p.fingerprint)
     assert p.fingerprint["drafter"]["name"] == name and p.fingerprint["context_len"] == 24
     assert p.fingerprint["threads"] == torch.get_num_threads() and p.fingerprint["layout"] == "padded"
@@ -61,6 +69,23 @@ def test_target_only_profile(qwen3_target):
     p = profile_steps(qwen3_target, NoDrafter(), batches=(1,), **FAST)
     assert p.fingerprint["drafter"] == {"name": "none", "sha": "none"}
     assert p.cost.drafted[1] == [(1, p.cost.plain[1])]
+
+
+def test_a_profile_without_per_slot_costs_is_reprofiled(qwen3_target, tmp_path, capsys):
+    """A profile saved by an older dspark (no draft_slot, no width) still loads, but `load_or_profile`
+    measures it again: an adaptive policy prices its drafted width from it."""
+    drafter, path = NgramDrafter(gamma=2), tmp_path / "old.json"
+    load_or_profile(qwen3_target, drafter, "ngram", (1,), path=path, **FAST)
+    data = json.loads(path.read_text())
+    for key in ("draft_slot", "width"):
+        data["cost"].pop(key)
+    path.write_text(json.dumps(data))
+    assert load_profile(path).cost.width is None  # readable
+    kept = load_or_profile(qwen3_target, drafter, "ngram", (1,), path=path, reprofile=False, **FAST)
+    assert kept.width is None  # a file given explicitly is used as it is
+    cost = load_or_profile(qwen3_target, drafter, "ngram", (1,), path=path, **FAST)
+    assert "per-slot cost" in capsys.readouterr().err
+    assert cost.width == 2 and load_profile(path).cost.draft_slot.keys() == {1}
 
 
 def test_short_ngram_blocks_are_padded_to_gamma():

@@ -14,6 +14,7 @@ from dspark.scheduling import (
     Scheduler,
     admission_order,
     best_capacity,
+    best_width,
     cap_to_budget,
     prefix_schedule,
     step_tokens,
@@ -700,3 +701,87 @@ def test_the_gain_is_measured_afresh_when_the_batch_moves_over_2x():
     assert s._gain > 0.5 and s._skip == 0
     s.plan(np.repeat(good, 16, axis=0), [gamma] * 16, cost)  # 16 rows: drafting costs more than it gains
     assert s._gain < 0 and s._skip > 0  # backed off at once
+
+
+# ------------------------------------------------------------------------------------------------------
+# the drafted width
+
+
+def width_cost(slot: float = 0.1, layout: str = "ragged") -> CostModel:
+    """One request, 3 slots profiled: N = 1..4 query tokens cost 1.0, 1.2, 1.4, 1.6; each drafted slot `slot`."""
+    return CostModel({1: [(1, 1.0), (2, 1.2), (3, 1.4), (4, 1.6)]}, {1: 0.8}, layout, draft_slot={1: slot}, width=3)
+
+
+def test_a_narrower_drafted_step_costs_its_slots_less():
+    cost = width_cost(0.1)
+    assert cost.cost(1, 2) == cost.cost(1, 2, 3) == pytest.approx(1.2)  # the profiled width
+    assert cost.cost(1, 2, 1) == pytest.approx(1.0) and cost.width_saving(1, 1) == pytest.approx(0.2)
+    assert cost.cost(1, 2, 5) == pytest.approx(1.4)  # wider than profiled: dearer
+    assert cost.cost(4, 8, 1) == pytest.approx(cost.cost(4, 8) - 4 * 0.2)  # past the largest batch: B × the slot
+    assert cost.cost(1, 2, 1) >= 0.5 * cost.cost(1, 2)
+    assert width_cost(5.0).cost(1, 2, 1) == pytest.approx(0.6)  # a slope too steep is floored at half the cost
+    plain = CostModel({1: [(1, 1.0), (2, 1.2)]}, {1: 0.8}, "ragged")  # no per-slot costs: the width is free
+    assert plain.cost(1, 2, 1) == plain.cost(1, 2) and plain.width_saving(1, 1) == 0.0
+    data = cost.to_dict()
+    assert data["draft_slot"] == {"1": 0.1} and data["width"] == 3
+    assert CostModel.from_dict(data).cost(1, 2, 1) == pytest.approx(1.0)
+    assert "draft_slot" not in plain.to_dict() and CostModel.from_dict(plain.to_dict()).width is None
+    with pytest.raises(ValueError, match="draft_slot B=1"):
+        CostModel({1: [(1, 1.0)]}, {1: 0.8}, draft_slot={1: -0.1}, width=3)
+    with pytest.raises(ValueError, match="width"):
+        CostModel({1: [(1, 1.0)]}, {1: 0.8}, draft_slot={1: 0.1}, width=0)
+    with pytest.raises(ValueError, match="'draft_slot'"):
+        CostModel.from_dict({**data, "draft_slot": [0.1]})
+
+
+def test_observing_a_narrow_step_corrects_the_profiled_width():
+    """A measured step drafting 1 slot that took exactly its width's price leaves the table as it was."""
+    cost = width_cost(0.1)
+    for _ in range(20):
+        cost.observe(1, 2, 1.0, drafted=True, width=1)
+    assert cost.cost(1, 2) == pytest.approx(1.2) and cost.cost(1, 2, 1) == pytest.approx(1.0)
+    slow = width_cost(0.1)
+    for _ in range(40):
+        slow.observe(1, 2, 2.0, drafted=True, width=1)  # twice its price: the whole drafted row doubles
+    assert slow.cost(1, 2, 1) == pytest.approx(2.0, rel=0.02)
+
+
+def test_best_width_prices_each_width_by_its_slots():
+    """Survivals 0.9, 0.5, 0.4 for one request. Free slots: the best step (all three, Θ = 2.8 / 1.6 = 1.75 against
+    2.4 / 1.4 = 1.71) needs the whole width; at 0.1 s per slot one slot wins (Θ = 1.9 / 1.0 against 2.4 / 1.3 and
+    2.8 / 1.6); the width never exceeds the block's or the limits."""
+    a = np.array([[0.9, 0.5, 0.4]])
+    free = CostModel({1: [(1, 1.0), (2, 1.2), (3, 1.4), (4, 1.6)]}, {1: 0.8}, "ragged")
+    assert best_width(a, [3], free) == 3
+    assert best_width(a, [3], width_cost(0.1)) == 1
+    assert best_width(a, [3], width_cost(0.02)) == 3  # 2.8 / 1.6 > 2.4 / 1.38 > 1.9 / 1.16
+    assert best_width(a[:, :2], [2], free) == 2 and best_width(a, [1], free) == 1  # the limit bounds it
+    assert best_width(np.zeros((1, 3)), [3], width_cost(0.1)) == 1  # nothing worth verifying: the cheapest
+
+
+def test_an_adaptive_policy_chooses_the_next_width_from_the_step_it_planned():
+    cost = width_cost(0.1)
+    for spec in ("dspark", "dspark-async"):
+        s = Scheduler(spec, 3)
+        assert s.draft_limit is None  # nothing planned yet: the whole block
+        s.plan(np.array([[0.9, 0.5, 0.1]]), [3], cost)
+        assert s.draft_limit == 1  # the best width of that step
+        s.plan(np.array([[0.95]]), [1], cost)  # a one-slot block whose best width is its whole width ...
+        assert s.draft_limit == 2  # ... grows by one
+        s.plan(np.array([[0.99, 0.98]]), [2], width_cost(0.0))
+        assert s.draft_limit == 3  # never past the drafter's block
+        s.plan(np.array([[0.99, 0.98, 0.97]]), [3], width_cost(0.0))
+        assert s.draft_limit == 3
+    for spec in ("none", "threshold:0.5", "batch-table"):
+        s = Scheduler(spec, 3)
+        s.plan(np.array([[0.9, 0.5, 0.1]]), [3], cost)
+        assert s.draft_limit is None  # no cost-aware width: the whole block
+
+
+def test_a_narrow_block_leaves_the_typical_row_past_it_alone():
+    s = Scheduler("dspark", 3)
+    s.plan(np.array([[0.9, 0.6, 0.3]]), [3], width_cost(0.0))
+    before = s._last_mean.copy()
+    s.plan(np.array([[0.5]]), [1], width_cost(0.0))
+    assert s._last_mean.shape == (3,)
+    assert s._last_mean[0] < before[0] and s._last_mean[1:] == pytest.approx(np.minimum(before[1:], s._last_mean[0]))

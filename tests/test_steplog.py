@@ -35,6 +35,8 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
         assert rec["batch"] == info.batch and rec["tokens"] == info.tokens and rec["drafted"] == info.drafted
         assert rec["verified"] == sum(info.lengths) and rec["accepted"] == sum(info.accepted)
         assert 0 <= rec["accepted"] <= rec["verified"] and rec["fused_prefill"] == info.fused_prefill
+        assert rec["draft_width"] == info.draft_width and (rec["draft_width"] is not None) == info.drafted
+        assert rec["max_length"] <= (rec["draft_width"] or 0)
         assert rec["started"] >= last_end  # steps do not overlap and come in order
         assert rec["seconds"] <= rec["step_seconds"] + 1e-6
         assert rec["predicted_seconds"] is not None and rec["predicted_seconds"] > 0

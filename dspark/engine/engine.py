@@ -85,7 +85,8 @@ class StepInfo:
     context (admitted or running while it slept), which verify no drafts. planned: the scheduler computed
     survivals and planned the round (an adaptive one skips planning where it does not pay, `plan_pays`, and
     then verifies every available draft). fused_prefill: the step's prefill chunk went through the round's target
-    pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone).
+    pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone). draft_width: the
+    slots the drafting call drafted per row (None when the round did not draft), which the cost model prices.
     """
 
     batch: int
@@ -112,6 +113,7 @@ class StepInfo:
     blind: int = 0
     planned: bool = False
     fused_prefill: bool = False
+    draft_width: int | None = None
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -646,6 +648,7 @@ class Engine:
                 return None
             batch = self._round_inputs()
         rows, params, sampling, gens, seqs, budget = batch
+        drafted_width = None if block is None else int(block.tokens.shape[1])  # what the drafting call cost
         if block is None:
             block = DraftBlock.empty(len(rows), device)
         block = block.truncate(budget)
@@ -725,10 +728,11 @@ class Engine:
         tokens = step_tokens(lens, self.layout)
         predicted = None
         if self.cost_model is not None:
-            predicted = self.cost_model.cost(len(rows), tokens) if drafted else self.cost_model.plain_cost(len(rows))
+            predicted = (self.cost_model.cost(len(rows), tokens, drafted_width) if drafted
+                         else self.cost_model.plain_cost(len(rows)))
             predicted -= self.cost_model.overhead.fixed(len(rows))  # the round's own figure (overhead is outside it)
             if self.config.online_cost and not faulted and side is None:  # a fused pass prices the chunk too
-                self.cost_model.observe(len(rows), tokens, seconds, drafted)
+                self.cost_model.observe(len(rows), tokens, seconds, drafted, drafted_width)
         now = time.perf_counter()
         for r, req in enumerate(rows):
             sig = signals[r, : available[r]].tolist() if self.config.record_signals and signals is not None else None
@@ -739,7 +743,8 @@ class Engine:
                         draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
                         target_seconds=target_seconds, predicted_seconds=predicted, kv_slots=kv_slots,
                         kv_live=kv_live, asleep=self._asleep,
-                        blind=sum(req.seq in self._blind for req in rows) if self._blind else 0, planned=planned)
+                        blind=sum(req.seq in self._blind for req in rows) if self._blind else 0, planned=planned,
+                        draft_width=drafted_width if drafted else None)
         if side is not None:  # the prefilled rows join after the round (`rows` is the running list itself)
             self._prefilled(side, side_out, outputs)
             self._side_fed = True
