@@ -102,7 +102,7 @@ class StepProfile:
         drafted = {**self.cost.drafted, **other.cost.drafted}
         plain = {**self.cost.plain, **other.cost.plain}
         meta = dict(self.meta)
-        for key in ("plain_times", "drafted_times", "narrow_times"):
+        for key in ("plain_times", "drafted_times", "draft_call_times"):
             meta[key] = {**self.meta.get(key, {}), **other.meta.get(key, {})}
         meta["batches"] = sorted(drafted)
         meta["smoothed_rows"] = sorted({b for b in self.meta.get("smoothed_rows", []) if b not in other.cost.drafted}
@@ -347,12 +347,14 @@ class _Rotating(Scheduler):
 
 
 def _time_cells(target: CausalLM, drafter: Drafter, prompts: list[list[int]], gamma: int, with_drafts: bool,
-                warmup: int, reps: int, max_new_tokens: int) -> tuple[dict, int]:
-    """Step seconds per cell key (None: plain, ℓ: drafts per request) from one decode of these prompts,
-    `warmup` + `reps` steps each, the cells taking turns. Returns (times after warm-up, dropped steps)."""
+                warmup: int, reps: int, max_new_tokens: int) -> tuple[dict, dict, int]:
+    """Step seconds per cell key (None: plain, ℓ: drafts per request, NARROW) from one decode of these prompts,
+    `warmup` + `reps` steps each, the cells taking turns. Returns (times after warm-up, the drafting calls'
+    seconds of those steps per key, dropped steps)."""
     batch, need = len(prompts), warmup + reps
     sched = _Rotating(gamma, with_drafts)
     times: dict = {key: [] for key in sched.cycle}
+    drafting: dict = {key: [] for key in sched.cycle}
     dropped = 0
 
     def on_step(info: StepInfo) -> None:
@@ -361,6 +363,7 @@ def _time_cells(target: CausalLM, drafter: Drafter, prompts: list[list[int]], ga
         expect = batch if key is None else step_tokens(np.full(batch, max(0, key)), LAYOUT)
         if info.batch == batch and info.drafted == (key is not None) and info.tokens == expect:
             times[key].append(info.seconds)
+            drafting[key].append(info.draft_seconds)
         else:
             dropped += 1
         if all(len(t) >= need for t in times.values()):
@@ -375,7 +378,7 @@ def _time_cells(target: CausalLM, drafter: Drafter, prompts: list[list[int]], ga
     if short:
         raise RuntimeError(f"profiling B={batch}: cells {short} got fewer than {need} matching steps "
                            f"({dropped} steps had another batch size or token count); raise the context room")
-    return {k: t[warmup:] for k, t in times.items()}, dropped
+    return {k: t[warmup:] for k, t in times.items()}, {k: t[warmup:] for k, t in drafting.items()}, dropped
 
 
 def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = DEFAULT_BATCHES,
@@ -388,8 +391,9 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
     smoothed by `dspark.cost_fit.fit_row` (two lines meeting at a knee) unless the medians depart from the fit by
     more than their noise explains (meta["smoothed_rows"] lists the smoothed rows); plain[B] is the median
     step of target-only decoding (the drafter is not called). draft_slot[B] is what one drafted slot adds: the
-    median step verifying nothing at the full width less the median one drafting a single slot, over γ − 1
-    (never negative; meta["narrow_times"] keeps the latter's repeats). Prompts are `context_len` tokens; one decode
+    median drafting call of the steps drafting the full width (every ℓ) less that of `reps` steps drafting a
+    single slot, over γ − 1, never negative (the calls alone: the whole steps' noise would swamp a slot;
+    meta["draft_call_times"] keeps both). Prompts are `context_len` tokens; one decode
     per batch size runs the cells in turn, one step each, so the context grows by up to a few hundred
     tokens over the profile and noise falls on every cell alike.
     A target-only profile (γ = 0) has the single drafted cell N = B equal to the plain step.
@@ -417,7 +421,8 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
     plain: dict[int, float] = {}
     draft_slot: dict[int, float] = {}
     meta: dict = {"gamma": gamma, "batches": batches, "warmup": warmup, "reps": reps, "context_len": context_len,
-                  "plain_times": {}, "drafted_times": {}, "narrow_times": {}, "dropped_steps": 0, "smoothed_rows": []}
+                  "plain_times": {}, "drafted_times": {}, "draft_call_times": {}, "dropped_steps": 0,
+                  "smoothed_rows": []}
     cells = (gamma + 2 + (gamma > 1)) if full else 1
     bar = tqdm(total=len(batches) * cells, desc="profiling steps", disable=not progress, unit="cell", file=sys.stderr)
     start = time.perf_counter()
@@ -425,7 +430,7 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
         prompts, meta["prompt_source"] = profile_prompts(target, b, context_len, stream=stream)
         bar.set_postfix(B=b)
         cycle_tokens = 1 + sum(ell + 1 for ell in range(gamma + 1)) + 1 if full else 1
-        times, dropped = _time_cells(target, runner, prompts, gamma, bool(full), warmup, reps,
+        times, calls, dropped = _time_cells(target, runner, prompts, gamma, bool(full), warmup, reps,
                                      min(room, (warmup + reps + 1) * cycle_tokens + 1))
         meta["dropped_steps"] += dropped
         plain[b] = float(np.median(times[None]))
@@ -438,8 +443,9 @@ def profile_steps(target: CausalLM, drafter: Drafter, batches: Sequence[int] = D
             if smoothed:
                 meta["smoothed_rows"].append(b)
             if NARROW in times:
-                meta["narrow_times"][str(b)] = times[NARROW]
-                slope = (np.median(times[0]) - np.median(times[NARROW])) / (gamma - 1)
+                whole = [t for ell in range(gamma + 1) for t in calls[ell]]
+                meta["draft_call_times"][str(b)] = {"full": whole, "narrow": calls[NARROW]}
+                slope = (np.median(whole) - np.median(calls[NARROW])) / (gamma - 1)
                 draft_slot[b] = float(max(0.0, slope))
         bar.update(cells)
     bar.close()

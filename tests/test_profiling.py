@@ -54,12 +54,13 @@ def test_every_cell_is_measured_on_the_padded_grid(profiles, name, gamma):
         row, smoothed = fit_row({int(n): t for n, t in p.meta["drafted_times"][str(b)].items()})
         assert p.cost.drafted[b] == row and (b in p.meta["smoothed_rows"]) == smoothed  # a row from its repeats
     assert p.meta["gamma"] == gamma and p.meta["prompt_source"] == "random"
-    # the per-slot drafting cost: a step verifying nothing at the full width against one drafting a single slot
+    # the per-slot drafting cost: drafting calls at the full width (every ℓ) against those drafting one slot
     assert p.cost.width == gamma and sorted(p.cost.draft_slot) == [1, 2]
     for b in (1, 2):
-        narrow, full = p.meta["narrow_times"][str(b)], p.meta["drafted_times"][str(b)][str(b)]
-        assert len(narrow) == 2
-        assert p.cost.draft_slot[b] == pytest.approx(max(0.0, (np.median(full) - np.median(narrow)) / (gamma - 1)))
+        calls = p.meta["draft_call_times"][str(b)]
+        assert len(calls["narrow"]) == 2 and len(calls["full"]) == 2 * (gamma + 1)
+        slope = (np.median(calls["full"]) - np.median(calls["narrow"])) / (gamma - 1)
+        assert p.cost.draft_slot[b] == pytest.approx(max(0.0, slope))
     assert set(FINGERPRINT_FIELDS) <= set(p.fingerprint)
     assert p.fingerprint["drafter"]["name"] == name and p.fingerprint["context_len"] == 24
     assert p.fingerprint["threads"] == torch.get_num_threads() and p.fingerprint["layout"] == "padded"
