@@ -942,7 +942,9 @@ class Scheduler:
             old = np.stack([stale.get(i, fallback) for i in ids])[:, : a.shape[1]]
             capacity, theta = best_capacity(old, lim, cost, token_budget)
             lengths = top_capacity(a, lim, capacity, cost, token_budget)
-        width = best_width(a, lim, cost, token_budget)  # the next step's, from this finished block's survivals
+        # the next step's width, from this finished block's survivals: every row that could draft counted at the
+        # block's whole width (a row near its token limit says nothing of what the next rows will need)
+        width = best_width(a, np.where(lim > 0, a.shape[1], 0), cost, token_budget)
         self._width = min(self.gamma, width + 1) if width >= a.shape[1] else width
         self._last_cost = cost
         gain = _log_gain(theta, cost.plain_cost(num), num)

@@ -502,6 +502,32 @@ def test_a_fixed_k_engine_has_only_k_slots_drafted(bundled_target, prompts):
     assert dspark.scheduling.Scheduler("dspark", gamma).draft_limit is None
 
 
+@pytest.mark.parametrize("name", ["eagle3", "draft-model", "dflash"])
+def test_every_model_drafter_drafts_only_the_slots_asked_for(bundled_target, prompts, name):
+    """EAGLE-3 and the draft model pay a forward pass per slot, DFlash a head and a sample: each drafts only
+    `draft_limit` slots (here fixed:2's), its q as wide; greedy rows stay identical to target-only decoding,
+    sampled ones follow their seeds (the same tokens when drafted 2 wide twice)."""
+    drafter = dspark.load_drafter(name, bundled_target)
+    widths, propose = [], drafter.propose
+
+    def spy(*args):
+        block = propose(*args)
+        widths.append((block.tokens.shape[1], None if block.probs is None else block.probs.shape[1],
+                       int(block.lengths.max())))
+        return block
+
+    drafter.propose = spy
+    ids = prompts[:3]
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=5)]
+    res = decode(bundled_target, drafter, ids, params, 12, scheduler="fixed:2")
+    assert widths and {(w, n) for w, _, n in widths} == {(2, 2)}
+    assert 2 in {q for _, q, _ in widths} <= {2, None}  # q for 2 slots (none once only greedy rows run)
+    for r in range(2):
+        assert res[r].token_ids == standalone(bundled_target, ids[r], 12)
+    again = decode(bundled_target, drafter, ids, params, 12, scheduler="fixed:2")
+    assert again[2].token_ids == res[2].token_ids
+
+
 @pytest.mark.parametrize("spec", ["dspark", "dspark-async"])
 def test_an_adaptive_engine_narrows_its_drafted_width_where_slots_cost(bundled_target, prompts, spec):
     """Each drafted slot costs a seventh of a plain step: the policy drafts the whole block until it has planned

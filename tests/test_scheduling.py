@@ -772,6 +772,8 @@ def test_an_adaptive_policy_chooses_the_next_width_from_the_step_it_planned():
         assert s.draft_limit == 3  # never past the drafter's block
         s.plan(np.array([[0.99, 0.98, 0.97]]), [3], width_cost(0.0))
         assert s.draft_limit == 3
+        s.plan(np.array([[0.99, 0.98, 0.97]]), [1], width_cost(0.0))  # a row one token from its end ...
+        assert s.draft_limit == 3  # ... does not narrow the next step's block
     for spec in ("none", "threshold:0.5", "batch-table"):
         s = Scheduler(spec, 3)
         s.plan(np.array([[0.9, 0.5, 0.1]]), [3], cost)

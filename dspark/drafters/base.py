@@ -98,9 +98,10 @@ class Drafter:
     #: Target layer ids whose features the drafter reads; empty for drafters that don't see the target.
     feature_layers: tuple[int, ...] = ()
     #: the most drafts per row the next `propose` call can have verified (the engine sets it before each
-    #: call: fixed:K verifies K at most), or None for the whole block. Advisory: a drafter that can draft
-    #: fewer slots for less work (the block drafters) returns a block of at most this many; others may ignore
-    #: it, since verification never reads drafts past what the scheduler admits.
+    #: call: fixed:K verifies K at most, an adaptive policy the width it chose), or None for the whole block.
+    #: Advisory: a drafter that can draft fewer slots for less work (the block drafters, EAGLE-3 and the draft
+    #: model) returns a block of at most this many; others (n-gram lookup) may ignore it, since verification
+    #: never reads drafts past what the scheduler admits.
     draft_limit: int | None = None
 
     def start(self, prompts: Sequence[Sequence[int]], prefill_features: torch.Tensor | None) -> None:

@@ -78,10 +78,11 @@ class DraftModelDrafter(Drafter):
         self.lm.truncate(keep)
         self.fed = [list(seq) for seq in sequences]
 
-        tokens = torch.zeros(num_rows, self.gamma, dtype=torch.long, device=self.lm.device)
+        gamma = min(self.gamma, self.draft_limit or self.gamma)  # each slot is a forward pass: draft no more
+        tokens = torch.zeros(num_rows, gamma, dtype=torch.long, device=self.lm.device)
         probs = peaks = None
         last = [len(p) - 1 for p in pending]
-        for k in range(self.gamma):
+        for k in range(gamma):
             out = self.lm.forward(pending)
             logits = out.logits[torch.arange(num_rows), torch.tensor(last, device=out.logits.device)]
             q = logits_to_probs(logits.unsqueeze(1), sampling).squeeze(1)  # [R, V]
@@ -89,7 +90,7 @@ class DraftModelDrafter(Drafter):
             if peak is not None:
                 peaks = peak if peaks is None else torch.cat([peaks, peak], 1)
             if probs is None:
-                probs = torch.zeros(num_rows, self.gamma, q.shape[-1], device=q.device)
+                probs = torch.zeros(num_rows, gamma, q.shape[-1], device=q.device)
             probs[:, k] = q
             for r in range(num_rows):
                 if bool(sampling.greedy[r]):
@@ -104,5 +105,5 @@ class DraftModelDrafter(Drafter):
         # The last draft was never fed; drop it from the record of what the cache holds.
         for r in range(num_rows):
             self.fed[r].pop()
-        lengths = torch.full((num_rows,), self.gamma, dtype=torch.long, device=self.lm.device)
+        lengths = torch.full((num_rows,), gamma, dtype=torch.long, device=self.lm.device)
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, peaks=peaks)

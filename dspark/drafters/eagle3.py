@@ -238,13 +238,14 @@ class Eagle3Drafter(Drafter):
         committed = self.lengths.clone()
         # A one-token prompt has no pair yet; its first drafts are then guesses (verification keeps them lossless).
         hidden = out[torch.arange(num_rows, device=device), (counts - 1).clamp_min(0)].unsqueeze(1)  # [R, 1, d]
-        tokens = torch.zeros(num_rows, self.gamma, dtype=torch.long, device=device)
+        gamma = min(self.gamma, self.draft_limit or self.gamma)  # each slot is a forward pass: draft no more
+        tokens = torch.zeros(num_rows, gamma, dtype=torch.long, device=device)
         probs = None
         greedy = sampling.greedy.tolist()
         all_greedy = all(greedy)
         ones = torch.ones(num_rows, dtype=torch.long, device=device)
         peaks = []
-        for k in range(self.gamma):
+        for k in range(gamma):
             logits = self.lm_head(self.model.norm(hidden)).float()[:, 0]  # [R, V]
             if self.report_peaks:
                 peaks.append(greedy_peaks(logits.unsqueeze(1), sampling.greedy))
@@ -253,15 +254,15 @@ class Eagle3Drafter(Drafter):
             else:
                 q = logits_to_probs(logits.unsqueeze(1), sampling)[:, 0]
                 if probs is None:
-                    probs = torch.zeros(num_rows, self.gamma, q.shape[-1], device=device)
+                    probs = torch.zeros(num_rows, gamma, q.shape[-1], device=device)
                 probs[:, k] = q
                 for r in range(num_rows):
                     tokens[r, k] = q[r].argmax() if greedy[r] else torch.multinomial(q[r], 1, generator=generators[r])[0]
-            if k + 1 < self.gamma:
+            if k + 1 < gamma:
                 hidden = self._step(hidden, tokens[:, k : k + 1], ones)
         self._truncate(committed)
         self.pending_feats = [f[:0] for f in self.pending_feats]
         self.pending_toks = [[] for _ in self.pending_toks]
-        lengths = torch.full((num_rows,), self.gamma, dtype=torch.long, device=device)
+        lengths = torch.full((num_rows,), gamma, dtype=torch.long, device=device)
         peak = torch.cat(peaks, 1) if peaks and peaks[0] is not None else None
         return DraftBlock(tokens=tokens, lengths=lengths, probs=probs, peaks=peak)
