@@ -432,9 +432,13 @@ def _path(survival, limits, cost: CostModel, token_budget: int | None):
     layout) the seconds of a step at each width w = 0..max limit, which the cut reads too. Steps are priced
     as drafting the survival matrix's width (`CostModel.width_saving`)."""
     lim = _as_numpy(limits, np.int64)
+    return _priced_path(*admission_order(survival, lim), lim, cost, token_budget, _drafted_width(survival))
+
+
+def _priced_path(rows: np.ndarray, pos: np.ndarray, vals: np.ndarray, lim: np.ndarray, cost: CostModel,
+                 token_budget: int | None, drafted: int | None):
+    """`_path` from candidates already in admission order, priced as steps drafting `drafted` slots."""
     num = len(lim)
-    drafted = _drafted_width(survival)
-    rows, pos, vals = admission_order(survival, lim)
     width_seconds = None
     if cost.layout == "ragged":
         tokens = num + np.arange(len(rows) + 1)
@@ -582,8 +586,10 @@ def best_width(survival, limits: Sequence[int], cost: CostModel, token_budget: i
     if a.ndim != 2 or a.shape[1] == 0 or not len(lim):
         return max(1, a.shape[-1] if a.ndim == 2 else 1)
     best, best_theta = 1, -math.inf
+    order = admission_order(a, lim)  # a narrower block's path is this one's candidates at positions ≤ w
     for w in range(1, a.shape[1] + 1):
-        _, _, vals, _, seconds, _ = _path(a[:, :w], np.minimum(lim, w), cost, token_budget)
+        keep = order[1] <= w
+        _, _, vals, _, seconds, _ = _priced_path(*(x[keep] for x in order), np.minimum(lim, w), cost, token_budget, w)
         theta = float(np.max((len(lim) + np.concatenate([[0.0], np.cumsum(vals)])) / seconds))
         if theta > best_theta * (1 + 1e-9):
             best, best_theta = w, theta

@@ -16,7 +16,7 @@ from scipy.stats import chi2_contingency, norm
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dspark.drafters.base import DraftBlock, Drafter
-from dspark.sampling import BatchSampling, SamplingParams, logits_to_probs
+from dspark.sampling import BatchSampling, SamplingParams, logits_to_probs, row_uniforms, sample_inverse_cdf
 from dspark.scheduling import CostModel, Scheduler, StepPlan
 from dspark.target import CausalLM
 
@@ -176,25 +176,6 @@ def sparse_cells(token_lists: Sequence[Sequence[int]], exact: dict[tuple[int, ..
 # drafters with known q
 
 
-def row_uniforms(sampling: BatchSampling, generators, count: int) -> torch.Tensor:
-    """[R, count] uniforms, each row from its own generator (zeros for greedy rows, which use no noise)."""
-    greedy = sampling.greedy.tolist()
-    out = torch.zeros(len(greedy), count)
-    for r, g in enumerate(greedy):
-        if not g:
-            out[r] = torch.rand(count, generator=generators[r])
-    return out
-
-
-def draw(probs: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of each row of probs [R, V] with uniforms u [R]; argmax for greedy rows.
-
-    u·total < total, so a token of probability 0 is never drawn."""
-    cdf = probs.double().cumsum(-1)
-    tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return torch.where(greedy, probs.argmax(-1), tok.clamp_max(probs.shape[-1] - 1))
-
-
 class TableDrafter(Drafter):
     """A drafter with explicit tables: q_k(· | x_{k−1}) = tables[k−1][x_{k−1}] (x_0 = the anchor).
 
@@ -215,12 +196,12 @@ class TableDrafter(Drafter):
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:
         prev = torch.tensor([s[-1] for s in sequences], dtype=torch.long)
         width = min(self.gamma, self.draft_limit or self.gamma)
-        u = row_uniforms(sampling, generators, width)
+        u = row_uniforms(width, sampling, generators, prev.device)
         greedy = sampling.greedy
         tokens, probs, conf = [], [], []
         for k, table in enumerate(self.tables[:width]):
             q = table[prev]
-            x = draw(q, u[:, k], greedy)
+            x = torch.where(greedy, q.argmax(-1), sample_inverse_cdf(q, u[:, k]))
             if self.confidences == "own-q":
                 conf.append(q.gather(1, x.view(-1, 1)).squeeze(1))
             elif self.confidences is not None:
