@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +62,8 @@ class CostModel:
     alpha: float = 0.25
     #: measurements after which a step kind or cell counts as stale and follows the level above it
     stale_after: int = 32
+    #: measurements over which a batch row's count of measurements halves (the level's reference row)
+    REFERENCE_HALF_LIFE: ClassVar[int] = 64
     #: seconds one more drafted slot adds to a drafted step, per profiled batch size (the drafting call's slope
     #: in its width, `dspark.profiling.profile_steps`); with `width`, a step drafting fewer slots than the
     #: profile did costs that much less (`width_saving`). Empty: the drafted width costs nothing
@@ -75,6 +77,12 @@ class CostModel:
     _count: int = field(default=0, repr=False)
     _kinds: dict[str, tuple[float, float, int, int]] = field(default_factory=dict, repr=False)
     _cells: dict[tuple, tuple[float, float, int, int]] = field(default_factory=dict, repr=False)
+    #: the level's reference: the batch row (drafted or plain) measured most lately, the level and that row's
+    #: log correction when it became the reference, and per row its measurements with forgetting (weight,
+    #: measurement count when last updated)
+    _reference: tuple | None = field(default=None, repr=False)
+    _reference_base: tuple[float, float] = field(default=(0.0, 0.0), repr=False)
+    _row_weights: dict[tuple, tuple[float, int]] = field(default_factory=dict, repr=False)
     #: seconds every step pays outside its round (prefill chunk, bookkeeping, the wait before the next step),
     #: learned online (`observe_overhead`) as a + c·B + b·T; its fixed part a + c·B is added to drafted and plain
     #: costs alike (the per-token part b·T cannot change a decision, see `dspark.step_overhead`)
@@ -250,18 +258,26 @@ class CostModel:
 
         Exponentially forgetting means of log(measured / table), in a hierarchy: per cell (a drafted step of
         one batch row and profiled N, or a batch row's plain step), per batch row of drafted steps, per step
-        kind (drafted, plain: the prior of a row not measured yet) and a machine-wide level. The level is
-        what a row measured all along sees change: the drift of a machine that slows down (other load). The
-        first kind measured moves it too while no other kind has been, so a kind not measured yet follows its
-        measurements. An entry not measured in the last `stale_after` steps moves with its parent from its
-        last measurement on (a cell with its row, a row or plain cell with the level), so a slowdown seen by
-        one kind of step (while only drafted steps run, or only plain ones) moves the other too, while every
-        row keeps its own offset from the table: serving inflates drafted rounds more than plain ones, and by
-        how much depends on the load. A row's offset is not drift: a new load's first steps, or a row
-        measured again after a pause, learn the row (a running mean over its first 1 / alpha measurements,
-        from its prior) without moving the level, so costs learned at 64 requests do not leak into those of
-        4 requests. A ratio is clamped to [1/20, 20] so one stall cannot swing the model; after a lasting
-        change the correction is within 5% of it after about ten steps.
+        kind (drafted, plain: the prior of a row not measured yet) and a machine-wide level. The level is the
+        drift of a machine that slows down (other load): how far one reference row's correction moved since
+        it became the reference, the reference being the batch row (drafted or plain) with the most
+        measurements lately (a forgetting count, half-life REFERENCE_HALF_LIFE measurements; another row
+        takes over when it has twice as many, the level carrying on from where it was). So while one kind
+        alone has been measured the other follows its measurements. An entry not measured in the last `stale_after` steps
+        moves with its parent from its last measurement on (a cell with its row, a row or plain cell with
+        the level), so a slowdown seen by one kind of step (while only drafted steps run, or only plain ones)
+        moves the other too, while every row keeps its own offset from the table: serving inflates drafted
+        rounds more than plain ones, and by how much depends on the load. A row's offset is not drift: a new
+        load's rows learn their own means (a running mean over the first 1 / alpha measurements of a new or
+        stale entry, from its prior) without moving the level, so costs learned at 64 requests do not leak
+        into those of 4 requests. The level follows one row's whole correction, its relearning after a pause
+        included, so it stays within the range that row's correction spans: an earlier version summed every
+        row's changes while measured but not its relearning, and trends that recur within every visit of a
+        row (rounds that get cheaper along a burst of 16 requests, the reset falling in the relearning)
+        ratcheted it without bound; rows not measured lately followed it far off (-0.21 in log after minutes
+        of serving at 16 clients, pricing plain steps at 0.81x of what they took; -4 in 2,000 steps of
+        `tests/test_scheduling.py`'s world). A ratio is clamped to [1/20, 20] so one stall cannot swing the model; after a lasting change the
+        correction is within 5% of it after about ten steps.
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
@@ -281,11 +297,6 @@ class CostModel:
         chain = [key[:2], key] if len(key) == 3 else [key]  # the row first: a cell's parent
         before = {k: (self._cell_log(k, kind), self._runs(k)) for k in chain}
         self._count += 1
-        row_now, row_runs = before[chain[0]]
-        if first_kind:  # nothing else measured yet: what this kind sees stands for the machine
-            self._level += a * (log_ratio - kind_now)
-        elif row_runs >= 1 / a:  # a row measured all along that changes: the machine's drift
-            self._level += a * (log_ratio - row_now)
         if first_kind or seen >= 1 / a:
             kind_new = kind_now + a * (log_ratio - kind_now)
         else:  # another kind's first measurements (a running mean) learn its own offset
@@ -301,6 +312,23 @@ class CostModel:
                 new = now + (a if first_kind else max(a, 1 / (runs + 2))) * (log_ratio - now)
             self._cells[k] = (new, parent_new, self._count, runs + 1)
             parent_new = new
+        self._follow_reference(chain[0])
+
+    def _row_weight(self, row: tuple) -> float:
+        """A batch row's count of measurements, halving every REFERENCE_HALF_LIFE measurements."""
+        weight, at = self._row_weights.get(row, (0.0, self._count))
+        return weight * 0.5 ** ((self._count - at) / self.REFERENCE_HALF_LIFE)
+
+    def _follow_reference(self, row: tuple) -> None:
+        """After a measurement of batch row `row`: count it, let it become the level's reference when it has
+        twice the reference's count, and move the level with the reference's correction."""
+        self._row_weights[row] = (self._row_weight(row) + 1.0, self._count)
+        if self._reference != row and (self._reference is None
+                                       or self._row_weight(row) > 2 * self._row_weight(self._reference)):
+            self._reference, self._reference_base = row, (self._level, self._cells[row][0])
+        if self._reference == row:
+            level_then, row_then = self._reference_base
+            self._level = level_then + (self._cells[row][0] - row_then)
 
     def _runs(self, key: tuple) -> int:
         """Measurements of an entry since it was new or last went stale."""

@@ -280,6 +280,44 @@ def served_world(spec: str, drafted_ratio: float, plain_ratio: float, steps: int
     return tokens / seconds, drafted / steps, s.plain_probes
 
 
+def test_recurring_trends_within_bursts_do_not_ratchet_the_correction_of_rows_not_measured_lately():
+    """An injected clock over 40 bursts of 16 requests (40 steps) and 4 requests (10 steps), in which drafted
+    rounds get cheaper along each burst (1.3x to 1.0x the profile) and plain ones take 1.1x; a plain step of
+    64 requests was measured 4 times at the start. The correction of that cell must still price it near what it
+    took, and drafting (which pays 1.17x here) must go on in every burst. Before the level was a mean of
+    bounded terms, summing each row's changes while measured drove it to -4 in log (pricing that plain step
+    at 2% of its cost), and at 16 clients in process the same drift stopped drafting for bursts at a time."""
+    shape = dict(gamma=7, batches=(4, 16, 64), draft_share=1.0, per_token=0.01, layout="padded")
+    table, cost = uniform_cost_model(**shape), uniform_cost_model(**shape)
+    for _ in range(4):
+        cost.observe(64, 64, 1.1 * table.plain_cost(64), drafted=False)
+    s = Scheduler("dspark", gamma=7)
+    shares, rates = [], []
+    for _ in range(40):
+        for rows, steps in ((16, 40), (4, 10)):
+            a = np.full((rows, 7), 0.75).cumprod(1)
+            tokens = seconds = drafted = 0.0
+            for i in range(steps):
+                if s.wants_drafts(rows):
+                    lengths = np.array(s.plan(a, [7] * rows, cost).lengths)
+                    n = step_tokens(lengths, "padded")
+                    took = table.cost(rows, n) * (1.3 - 0.3 * i / (steps - 1))
+                    cost.observe(rows, n, took, drafted=True)
+                    tokens += rows + sum(a[r, :k].sum() for r, k in enumerate(lengths))
+                    drafted += 1
+                else:
+                    took = 1.1 * table.plain_cost(rows)
+                    cost.observe(rows, rows, took, drafted=False)
+                    tokens += rows
+                seconds += took
+            if rows == 16:
+                shares.append(drafted / steps)
+                rates.append(tokens / seconds)
+    plain_rate = 16 / (1.1 * table.plain_cost(16))
+    assert 0.7 < cost.plain_cost(64) / (1.1 * table.plain_cost(64)) < 1.3
+    assert min(shares) > 0.9 and min(rates) > 1.1 * plain_rate
+
+
 def test_plain_probes_catch_a_server_that_inflates_drafted_rounds_more_than_plain_ones():
     """Measured under HTTP load on the EPYC machine: drafted rounds ran 2.31x the profile, plain ones 1.69x.
     A policy that only ever measured drafted steps priced plain ones at the drafted inflation and drafted
