@@ -882,9 +882,14 @@ class Scheduler:
         does not update the gain that backs drafting off, and that gain changes with the batch size: a batch
         that grew from 8 to 64 requests must find out at once that drafting stopped paying). Reads past steps
         and the costs only: a skipped plan verifies what a fixed policy would (lossless). Costs no cost-model
-        lookup (a few dictionary reads).
+        lookup (a few dictionary reads). Never while the drafted width is narrower than the drafter's block: the
+        width comes from plans, so a skipped plan would keep a narrow width for PLAN_REFRESH steps, and the
+        advantage measured at it (a plan against the narrow block) says nothing of the whole block (one client at
+        temperature 0 over HTTP verified 3.0 drafts a step where fixed K = 7 verified 6.7).
         """
         if self.kind != "dspark" or cost is None or self._own_seconds is None or self.unsure:
+            return True
+        if self._width is not None and self._width < self.gamma:
             return True
         key = _bucket(len(limits))
         advantage = self._advantage.get(key)

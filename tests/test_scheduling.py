@@ -675,6 +675,30 @@ def test_planning_is_skipped_where_it_cannot_earn_its_own_time_and_rerun_now_and
         assert other.plan_pays([4], flat)
 
 
+def test_a_narrowed_width_is_planned_until_the_block_is_whole_again():
+    """A skipped plan verifies the block as drafted, so it must not freeze a narrow width: on a flat cost curve
+    (where planning is skipped once its own work is measured) a step with low survivals narrows the width,
+    and the next steps, with high survivals, plan and widen it back to the drafter's block within as many
+    steps as slots were cut; then planning is skipped again."""
+    gamma = 4
+    flat = CostModel({1: [(n, 1.0) for n in range(1, 6)]}, {1: 2.0}, "padded", draft_slot={1: 0.05}, width=gamma)
+    high = np.array([[0.95, 0.9, 0.85, 0.8]])
+    sched = Scheduler("dspark", gamma)
+    sched.plan(high, [4], flat)
+    sched.observe_own_work(0.01)
+    assert not sched.plan_pays([4], flat)  # whole width, flat curve: the plan is skipped
+    sched.plan(np.array([[0.3, 0.02, 0.01, 0.01]]), [4], flat)  # a refresh plan on a hard step narrows
+    assert sched.draft_limit < gamma
+    steps = 0
+    while sched.draft_limit is not None and sched.draft_limit < gamma:
+        assert sched.plan_pays([sched.draft_limit], flat)  # planned while narrow ...
+        w = sched.draft_limit
+        sched.plan(high[:, :w], [w], flat)  # ... so high survivals widen it again
+        steps += 1
+        assert steps <= gamma
+    assert not sched.plan_pays([4], flat)  # whole again: skipped as before
+
+
 def test_planning_is_not_skipped_at_a_batch_size_whose_gain_was_not_just_measured():
     """A skipped plan does not update the gain that backs drafting off, and that gain depends on the batch size:
     where the batch moved to another bucket since the last plan (a batch filling from 1 to 4 requests), the
