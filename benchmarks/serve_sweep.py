@@ -25,7 +25,8 @@ Figures per arm and cell (a cell: arm, temperature, concurrency, repeat):
   (the steady window; each request's tokens are spread evenly over its decoding time);
 - per-user tok/s: each measured request's decoding speed (tokens − 1) / (last − first token), median and
   p10; TTFT and TPOT p50 / p99;
-- τ, verified draft tokens and wasted (verified − accepted) per step, from the server's /metrics.
+- τ, verified draft tokens and wasted (verified − accepted) per step, the share of request rounds that verified
+  a draft and the drafter's sleeps, from the server's /metrics.
 Writes DIR/serve_sweep.json, prints the tables and plots throughput against concurrency and per-user speed
 against throughput (the paper's Fig. 7 view) into DIR.
 """
@@ -55,6 +56,8 @@ COUNTERS = {
     "accepted": "dspark:spec_decode_num_accepted_tokens_total",
     "rounds": "dspark:decode_rounds_total",
     "steps": "dspark:step_time_seconds_count",
+    "verifying_rows": "dspark:spec_decode_num_drafts_total",
+    "sleeps": "dspark:engine_drafter_sleeps_total",
 }
 
 
@@ -212,6 +215,9 @@ def server_figures(before: dict, after: dict) -> dict:
         "verified_per_step": d["draft_tokens"] / steps,
         "wasted_per_step": (d["draft_tokens"] - d["accepted"]) / steps,
         "steps": d["steps"],
+        # the share of request rounds that verified at least one draft, and the drafter's sleeps in the cell
+        "verifying_share": d["verifying_rows"] / max(d["rounds"], 1.0),
+        "drafter_sleeps": d["sleeps"],
     }
 
 
@@ -260,7 +266,8 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{arm:>14} T={temperature:g} c={conc:>3} r={rep}: {cell['throughput']:7.1f} tok/s, "
                   f"per-user {cell['per_user_median']:6.1f} (p10 {cell['per_user_p10']:6.1f}), "
                   f"TTFT p50 {cell['ttft_p50'] * 1e3:6.0f} ms, τ {cell['tau']:.2f}, "
-                  f"verified/step {cell['verified_per_step']:.1f}", flush=True)
+                  f"verified/step {cell['verified_per_step']:.1f}, rounds verifying drafts {cell['verifying_share']:.2f}, "
+                  f"drafter sleeps {cell['drafter_sleeps']:.0f}", flush=True)
             path.write_text(json.dumps(results, indent=1))
     finally:
         for proc in procs.values():
