@@ -258,26 +258,27 @@ class CostModel:
 
         Exponentially forgetting means of log(measured / table), in a hierarchy: per cell (a drafted step of
         one batch row and profiled N, or a batch row's plain step), per batch row of drafted steps, per step
-        kind (drafted, plain: the prior of a row not measured yet) and a machine-wide level. The level is the
-        drift of a machine that slows down (other load): how far one reference row's correction moved since
-        it became the reference, the reference being the batch row (drafted or plain) with the most
-        measurements lately (a forgetting count, half-life REFERENCE_HALF_LIFE measurements; another row
-        takes over when it has twice as many, the level carrying on from where it was). So while one kind
-        alone has been measured the other follows its measurements. An entry not measured in the last `stale_after` steps
-        moves with its parent from its last measurement on (a cell with its row, a row or plain cell with
-        the level), so a slowdown seen by one kind of step (while only drafted steps run, or only plain ones)
+        kind (drafted, plain: the prior of a row not measured yet) and a machine-wide level.
+
+        The level is the drift of a machine that slows down (other load): how far one reference row's
+        correction moved since it became the reference, the reference being the batch row (drafted or plain)
+        with the most measurements lately (a count halving every REFERENCE_HALF_LIFE measurements; another row
+        takes over when it has twice as many, the level carrying on from where it was). So while one kind alone
+        has been measured, the other follows its measurements. Following one row's whole correction, its
+        relearning after a pause included, keeps the level within the range that row spans: an earlier version
+        summed every row's changes while measured but not its relearning, and trends that recur within each
+        visit of a row (rounds getting cheaper along a burst of 16 requests, the reset falling in the
+        relearning) ratcheted it without bound (-0.21 in log after minutes of serving at 16 clients, pricing
+        stale plain steps at 0.81x of what they took; -4 in 2,000 steps of a test world).
+
+        An entry not measured in the last `stale_after` steps moves with its parent from its last measurement
+        on (a cell with its row, a row or plain cell with the level), so a slowdown seen by one kind of step
         moves the other too, while every row keeps its own offset from the table: serving inflates drafted
-        rounds more than plain ones, and by how much depends on the load. A row's offset is not drift: a new
-        load's rows learn their own means (a running mean over the first 1 / alpha measurements of a new or
-        stale entry, from its prior) without moving the level, so costs learned at 64 requests do not leak
-        into those of 4 requests. The level follows one row's whole correction, its relearning after a pause
-        included, so it stays within the range that row's correction spans: an earlier version summed every
-        row's changes while measured but not its relearning, and trends that recur within every visit of a
-        row (rounds that get cheaper along a burst of 16 requests, the reset falling in the relearning)
-        ratcheted it without bound; rows not measured lately followed it far off (-0.21 in log after minutes
-        of serving at 16 clients, pricing plain steps at 0.81x of what they took; -4 in 2,000 steps of
-        `tests/test_scheduling.py`'s world). A ratio is clamped to [1/20, 20] so one stall cannot swing the model; after a lasting change the
-        correction is within 5% of it after about ten steps.
+        rounds more than plain ones, by how much depending on the load. A new or stale entry learns its mean
+        over its first 1 / alpha measurements (a running mean from its prior) without moving the level, so
+        costs learned at 64 requests do not leak into those of 4 requests. A ratio is clamped to [1/20, 20] so
+        one stall cannot swing the model; after a lasting change the correction is within 5% of it after about
+        ten steps.
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
