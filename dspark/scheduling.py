@@ -768,6 +768,21 @@ class Scheduler:
         return self.adaptive and self._skip > self.wake_lead
 
     @property
+    def expected_gain(self) -> float | None:
+        """An adaptive policy's smoothed expected log-gain of drafting over plain decoding (None: not known yet,
+        or not adaptive); a back-off starts when it falls below zero."""
+        return self._gain if self.adaptive else None
+
+    @property
+    def backoff_left(self) -> int:
+        """Steps left in the current back-off (0: none)."""
+        return self._skip
+
+    def gate_bias(self, num_rows: int) -> float | None:
+        """The correction probes taught the probe gate at `num_rows`'s batch bucket (None: none yet)."""
+        return self._gate_bias.get(_bucket(num_rows))
+
+    @property
     def wake_lead(self) -> int:
         """Steps before a probe at which a sleeping drafter wakes (`dormant` ends), so that the requests
         joining meanwhile have drafter context by the probe."""

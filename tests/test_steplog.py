@@ -30,6 +30,7 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
     log.close()
     records = read_step_log(tmp_path / "steps.jsonl")
     assert len(records) == len(seen) > 0
+    assert any(i.expected_gain is not None for i in seen)  # dspark planned at least one step
     last_end = 0.0
     for rec, info in zip(records, seen):
         assert rec["batch"] == info.batch and rec["tokens"] == info.tokens and rec["drafted"] == info.drafted
@@ -40,6 +41,12 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
         assert rec["started"] >= last_end  # steps do not overlap and come in order
         assert rec["seconds"] <= rec["step_seconds"] + 1e-6
         assert rec["predicted_seconds"] is not None and rec["predicted_seconds"] > 0
+        # the adaptive scheduler's state after the step: its gain once a step was planned, the back-off it keeps
+        assert rec["backoff_left"] == info.backoff_left >= 0
+        assert (rec["expected_gain"] is None) == (info.expected_gain is None)
+        if info.expected_gain is not None:
+            assert rec["expected_gain"] == pytest.approx(info.expected_gain, abs=1e-4)
+            assert info.backoff_left == 0 or info.expected_gain < 0 or not info.drafted
         last_end = rec["started"] + rec["step_seconds"]
     # every committed token is in the log: each request's first token from its prefill (which fed the whole
     # prompt), then rows + accepted drafts per step

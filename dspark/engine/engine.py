@@ -87,6 +87,8 @@ class StepInfo:
     then verifies every available draft). fused_prefill: the step's prefill chunk went through the round's target
     pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone). draft_width: the
     slots the drafting call drafted per row (None when the round did not draft), which the cost model prices.
+    expected_gain / backoff_left / gate_bias: an adaptive scheduler's state after the round
+    (`Scheduler.expected_gain`, `backoff_left`, `gate_bias`; None / 0 / None for the others).
     """
 
     batch: int
@@ -114,6 +116,9 @@ class StepInfo:
     planned: bool = False
     fused_prefill: bool = False
     draft_width: int | None = None
+    expected_gain: float | None = None
+    backoff_left: int = 0
+    gate_bias: float | None = None
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -744,7 +749,9 @@ class Engine:
                         target_seconds=target_seconds, predicted_seconds=predicted, kv_slots=kv_slots,
                         kv_live=kv_live, asleep=self._asleep,
                         blind=sum(req.seq in self._blind for req in rows) if self._blind else 0, planned=planned,
-                        draft_width=drafted_width if drafted else None)
+                        draft_width=drafted_width if drafted else None,
+                        expected_gain=sched.expected_gain, backoff_left=sched.backoff_left,
+                        gate_bias=sched.gate_bias(len(rows)))
         if side is not None:  # the prefilled rows join after the round (`rows` is the running list itself)
             self._prefilled(side, side_out, outputs)
             self._side_fed = True

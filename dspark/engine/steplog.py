@@ -3,7 +3,7 @@
 Each line holds what `StepInfo` measured (batch, query tokens, drafted or not, round / step / prefill / drafting /
 target seconds, the cost model's prediction, drafts verified and accepted, the target cache's slots per row and
 live tokens, the time spent joining finished prefills, whether the scheduler planned the round, the drafted
-width) and `started`, the step's start on the
+width, an adaptive scheduler's smoothed expected gain, back-off left and gate correction) and `started`, the step's start on the
 process's perf_counter clock, so that gaps between steps (time the engine thread spent outside `step`:
 dispatching outputs, waiting for the interpreter lock) can be read off. The file is appended to while the
 server runs, a line at a time: a reader skips a last line cut short by a crash (`read_step_log`).
@@ -38,6 +38,9 @@ def step_record(info: StepInfo) -> dict:
         "kv_slots": info.kv_slots, "kv_live": info.kv_live, "join_seconds": round(info.join_seconds, 6),
         "asleep": info.asleep, "blind": info.blind, "planned": info.planned, "fused_prefill": info.fused_prefill,
         "draft_width": info.draft_width,
+        "expected_gain": None if info.expected_gain is None else round(info.expected_gain, 4),
+        "backoff_left": info.backoff_left,
+        "gate_bias": None if info.gate_bias is None else round(info.gate_bias, 4),
     }
 
 
