@@ -60,3 +60,33 @@ def test_a_round_that_drafts_nothing_costs_the_drafter_no_pass(bundled_target) -
     drafter.propose([[1] * 9, [1] * 11], dspark.sampling.BatchSampling.from_params(
         [dspark.sampling.SamplingParams()] * 2, bundled_target.device), [None, None])
     assert calls == [1]  # five rounds in one pass, before drafting
+
+
+def test_a_long_run_of_rounds_without_drafts_keeps_the_queue_short_and_the_context_exact(bundled_target) -> None:
+    """A long back-off queues at most PENDING_LIMIT rounds (rows leaving and joining re-index every queued round,
+    so an unbounded queue made such steps dearer than drafting): the rounds past it are projected in passes of
+    PENDING_LIMIT, into the same context as projecting each round at once."""
+    lazy = dspark.load_drafter("dspark", bundled_target)
+    eager = dspark.load_drafter("dspark", bundled_target)
+    limit = lazy.PENDING_LIMIT
+    dim = len(lazy.feature_layers) * int(bundled_target.model.config.hidden_size)
+    gen = torch.Generator().manual_seed(1)
+    prefill = torch.randn(2, 6, dim, generator=gen)
+    for d in (lazy, eager):
+        d.join([[1] * 4, [1] * 6], prefill)
+    calls = []
+    original = lazy.model.context_kv
+    lazy.model.context_kv = lambda *a, **k: calls.append(1) or original(*a, **k)
+    longest = 0
+    for i in range(3 * limit + 3):
+        counts = [1 + i % 3, 1]
+        features = torch.randn(2, 3, dim, generator=gen)
+        lazy.observe(dspark.drafters.base.RoundOutcome([[0] * n for n in counts], [n - 1 for n in counts], features))
+        eager._append_context(features[:, : max(counts)], torch.tensor(counts))
+        longest = max(longest, len(lazy._pending))
+    assert longest == limit - 1 and len(calls) == 3  # a pass per `limit` rounds, none per round
+    lazy._flush()
+    assert torch.equal(lazy.ctx.lengths, eager.ctx.lengths)
+    for got, want in zip(_rows(lazy), _rows(eager)):
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, atol=1e-5)
