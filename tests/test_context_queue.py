@@ -90,3 +90,30 @@ def test_a_long_run_of_rounds_without_drafts_keeps_the_queue_short_and_the_conte
     for got, want in zip(_rows(lazy), _rows(eager)):
         for g, w in zip(got, want):
             assert torch.allclose(g, w, atol=1e-5)
+
+
+def test_a_row_joining_late_reads_its_context_at_its_own_positions(bundled_target) -> None:
+    """`join_late`: a request already decoding (its features never captured) gets a context that starts at its
+    anchor. Attention reads positions only relative to each other (RoPE), so its block after k observed tokens
+    equals the block of a request whose text began where it joined and whose prompt's features are those k."""
+    late = dspark.load_drafter("dspark", bundled_target)
+    fresh = dspark.load_drafter("dspark", bundled_target)
+    dim = len(late.feature_layers) * int(bundled_target.model.config.hidden_size)
+    gen = torch.Generator().manual_seed(2)
+    before = 40  # tokens the late row decoded before it joined, of which the drafter saw nothing
+    late.join([[1] * 5], torch.randn(1, 4, dim, generator=gen))  # another row, there before
+    assert late.join_late([[3] * before + [7]])
+    assert late.ctx.offsets.tolist() == [0, before] and late.ctx.lengths.tolist() == [4, 0]
+    feats, seen = [], 0
+    for counts in ([2, 3], [1, 4], [3, 1]):  # (other row, late row) tokens kept per round
+        f = torch.randn(2, 4, dim, generator=gen)
+        late.observe(dspark.drafters.base.RoundOutcome([[0] * n for n in counts], [n - 1 for n in counts], f))
+        feats.append(f[1, : counts[1]])
+        seen += counts[1]
+    text = [9] * seen + [5]  # the late row's text since it joined, anchor (5) last
+    late_block = late.block_hidden([[1] * (5 + 6), [3] * before + text])[1]
+    fresh.join([text], torch.cat(feats).unsqueeze(0))
+    assert torch.allclose(late_block, fresh.block_hidden([text])[0], atol=1e-4)
+    late.select([1])  # rows leave and join around it: its offset goes with it
+    assert late.ctx.offsets.tolist() == [before]
+    assert torch.allclose(late.block_hidden([[3] * before + text])[0], late_block, atol=1e-5)

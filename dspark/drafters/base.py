@@ -123,6 +123,12 @@ class Drafter:
         prefill_features[r, :len(prompts[r]) - 1]: the target features of every prompt token but the last.
         """
 
+    def join_late(self, sequences: Sequence[Sequence[int]]) -> bool:
+        """Append rows for requests already decoding (`sequences`: prompt + output so far, anchor last) whose
+        target features were never captured, with a context that starts at the anchor. False (this default): the
+        drafter cannot, and the engine leaves those rows without drafts."""
+        return False
+
     def propose(
         self,
         sequences: Sequence[Sequence[int]],

@@ -98,7 +98,10 @@ class BlockDrafter(Drafter):
 
     def _append_context(self, features: torch.Tensor, counts: torch.Tensor, into: ContextCache | None = None) -> None:
         ctx = self.ctx if into is None else into
-        start = ctx.lengths if ctx.kv else torch.zeros_like(counts)
+        if ctx.kv:
+            start = ctx.offsets + ctx.lengths
+        else:  # a fresh cache: its rows start at 0, or where rows joining late are (`join_late`)
+            start = ctx.offsets if ctx.offsets.shape == counts.shape else torch.zeros_like(counts)
         positions = start.view(-1, 1) + torch.arange(features.shape[1], device=features.device).view(1, -1)
         with torch.no_grad():
             kv = self.model.context_kv(features, positions)
@@ -120,6 +123,26 @@ class BlockDrafter(Drafter):
         joined = len(prompts)  # the new rows have nothing pending
         self._pending = [(torch.cat([f, f.new_zeros(joined, *f.shape[1:])]), torch.cat([c, c.new_zeros(joined)]))
                          for f, c in self._pending]
+
+    def join_late(self, sequences) -> bool:
+        """Add rows for requests that are already decoding but whose target features were never captured (they
+        ran or were admitted while the drafter slept): each row's context starts empty at its anchor's position
+        and holds what `observe` queues from then on, so its first block reads the anchor alone and later ones
+        the text since. The target features of recent tokens summarise the text before them, so drafts recover
+        within a few rounds; they are verified like any others."""
+        if not sequences:
+            return True
+        device = self.embed.weight.device
+        dim = self.model.fc.in_features
+        fresh = ContextCache()
+        fresh.offsets = torch.tensor([len(s) - 1 for s in sequences], dtype=torch.long, device=device)
+        counts = torch.zeros(len(sequences), dtype=torch.long, device=device)
+        self._append_context(torch.zeros(len(sequences), 1, dim, device=device), counts, fresh)  # one masked slot
+        self.ctx.extend(fresh)
+        joined = len(sequences)
+        self._pending = [(torch.cat([f, f.new_zeros(joined, *f.shape[1:])]), torch.cat([c, c.new_zeros(joined)]))
+                         for f, c in self._pending]
+        return True
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Queue the features of each row's anchor and accepted drafts for the context. They are projected at
@@ -177,8 +200,9 @@ class BlockDrafter(Drafter):
         pad = [self.cfg.mask_token_id] * (width - 1)
         ids = torch.tensor([[s[-1]] + pad for s in sequences], dtype=torch.long, device=device)
         start = torch.tensor([len(s) - 1 for s in sequences], dtype=torch.long, device=device)
-        if not torch.equal(start, self.ctx.lengths):
-            raise RuntimeError(f"draft context holds {self.ctx.lengths.tolist()} tokens, expected {start.tolist()}")
+        if not torch.equal(start, self.ctx.offsets + self.ctx.lengths):
+            raise RuntimeError(f"draft context reaches {(self.ctx.offsets + self.ctx.lengths).tolist()} tokens, "
+                               f"expected {start.tolist()}")
         positions = start.view(-1, 1) + torch.arange(width, device=device).view(1, -1)
         mask = None  # every context slot is real: attend to all
         if not self.ctx.dense:

@@ -17,7 +17,9 @@ from dspark.kv_cache import HeadroomLayer
 class ContextCache:
     """Per-layer projected context K/V [R, KV, T, hd] for a batch of rows of different lengths (padding masked).
 
-    `valid` [R, T] marks real slots and `lengths` [R] counts them. `dense` is True while every slot of every row
+    `valid` [R, T] marks real slots and `lengths` [R] counts them; `offsets` [R] is the text position of each
+    row's first context token (0, except for rows that joined late, whose context starts where they joined and
+    holds nothing of the text before: `BlockDrafter.join_late`). `dense` is True while every slot of every row
     is real (always so for a batch of one), so attention needs no mask. Slack left by masked slots is compacted
     away once it exceeds `max(compact_slack, longest row // 2)`.
     """
@@ -26,6 +28,7 @@ class ContextCache:
         self.layers: list[HeadroomLayer] = []
         self.valid = torch.zeros(0, 0, dtype=torch.bool)
         self.lengths = torch.zeros(0, dtype=torch.long)
+        self.offsets = torch.zeros(0, dtype=torch.long)
         self.compact_slack = compact_slack
         self.dense = True
 
@@ -43,6 +46,8 @@ class ContextCache:
             self.layers = [HeadroomLayer.holding(k, v) for k, v in kv]
             self.valid = new_valid
             self.lengths = counts.clone()
+            if self.offsets.shape != counts.shape:
+                self.offsets = torch.zeros_like(counts)
         else:
             for layer, (k, v) in zip(self.layers, kv):
                 layer.update(k, v)
@@ -66,6 +71,7 @@ class ContextCache:
             return
         if not self.layers:
             self.layers, self.valid, self.lengths, self.dense = other.layers, other.valid, other.lengths, other.dense
+            self.offsets = other.offsets
             return
         width = max(self.valid.shape[1], other.valid.shape[1])
         rows = int(other.lengths.shape[0])
@@ -75,6 +81,7 @@ class ContextCache:
         self.valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
                                 pad(other.valid, (0, width - other.valid.shape[1]))], 0)
         self.lengths = torch.cat([self.lengths, other.lengths])
+        self.offsets = torch.cat([self.offsets, other.offsets])
         self.dense = bool(self.valid.all())
 
     def select(self, rows: Sequence[int]) -> None:
@@ -84,6 +91,7 @@ class ContextCache:
             layer.select_rows(idx)
         self.valid = self.valid[idx]
         self.lengths = self.lengths[idx]
+        self.offsets = self.offsets[idx]
         self.dense = self.dense or bool(self.valid.all())
 
     def subset(self, rows: Sequence[int]) -> "ContextCache":
@@ -91,6 +99,6 @@ class ContextCache:
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
         part = ContextCache(self.compact_slack)
         part.layers = [HeadroomLayer.holding(layer.keys[idx], layer.values[idx]) for layer in self.layers]
-        part.valid, part.lengths = self.valid[idx], self.lengths[idx]
+        part.valid, part.lengths, part.offsets = self.valid[idx], self.lengths[idx], self.offsets[idx]
         part.dense = self.dense or bool(part.valid.all())
         return part

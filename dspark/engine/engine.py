@@ -30,9 +30,11 @@ drafter still observes them. All three are lossless for every other request.
 The drafter sleeps through an adaptive scheduler's long back-offs (`EngineConfig.drafter_sleep`): a drafter that
 reads target features keeps a context of them per request, built at join and extended every round, drafting or
 not. While the scheduler expects no drafting for many steps (`Scheduler.dormant`) the engine drops that state,
-captures no features and makes no drafter call; requests running or admitted then stay without drafts until
-they finish ("blind": the drafter holds no row for them and drafts only for the others), and requests admitted
-after the drafter wakes, which it does ahead of the next probe, are drafted for as usual.
+captures no features and makes no drafter call; requests running or admitted then have no drafter context
+("blind"). The drafter wakes ahead of the next probe: requests admitted after that are drafted for as usual,
+and the blind ones get a context that starts where the drafter woke (`Drafter.join_late`; from their join for
+those whose prompt was in by then) and draft again after LATE_WARMUP rounds of it. A drafter that cannot join
+rows late (EAGLE-3) leaves them without drafts until they finish, drafting only for the others.
 
 `dspark.decoding.decode` (and so `generate`, `bench`, `profile`, `calibrate`) runs a fixed set of requests
 through this loop; the server calls the same `step` from its engine thread.
@@ -43,6 +45,7 @@ import logging
 import threading
 import time
 from collections import deque
+from itertools import groupby
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, NamedTuple
 
@@ -61,6 +64,7 @@ from dspark.verify import verify
 
 log = logging.getLogger("dspark.engine")
 DRAFT_BACKOFF_MAX = 64  # rounds drafting stays paused at most after a slow drafting call
+LATE_WARMUP = 8  # rounds a row whose drafter context started late (`Drafter.join_late`) goes undrafted
 
 
 class QueueFull(RuntimeError):
@@ -82,7 +86,7 @@ class StepInfo:
     join_seconds: the part of prefill_seconds spent moving finished prefills into the batch (target cache and
     drafter state). prefill_slots: the prefill pass's prefilling rows × its width (prefill_tokens plus padding).
     asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
-    context (admitted or running while it slept), which verify no drafts. planned: the scheduler computed
+    context (admitted or running while it slept, until it wakes and joins them late), which verify no drafts. planned: the scheduler computed
     survivals and planned the round (an adaptive one skips planning where it does not pay, `plan_pays`, and
     then verifies every available draft). fused_prefill: the step's prefill chunk went through the round's target
     pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone). draft_width: the
@@ -263,6 +267,7 @@ class Engine:
         self._can_sleep = bool(self.config.drafter_sleep and self.scheduler.adaptive and self.want_features)
         self._asleep = False  # the drafter holds no rows and no target features are captured
         self._blind: set[int] = set()  # requests without a drafter context: they verify no drafts
+        self._warming: dict[int, int] = {}  # requests whose context started late (`join_late`): rounds left undrafted
         self.drafter_sleeps = 0  # times the drafter was put to sleep
 
     # ------------------------------------------------------------------ requests in and out
@@ -508,9 +513,13 @@ class Engine:
         for req, tokens in zip(joining, first.tokens):
             req.rounds.append(RoundStats(0, 0, 0, None))  # the prefill pass committed one token
             self._commit(req, tokens, now, outputs)
-        sighted = [req for req in joining if req.seq not in self._blind]
-        if sighted and not self._asleep:
-            self.drafter.join([self._seqs[req.seq] for req in sighted], self._join_features(sighted))
+        if not self._asleep:  # in batch order: rows with their prompt's features, then rows admitted while asleep
+            for late, group in groupby(joining, key=lambda req: req.seq in self._blind):
+                group = list(group)
+                if not late:
+                    self.drafter.join([self._seqs[req.seq] for req in group], self._join_features(group))
+                else:
+                    self._join_late(group)
         done_set = set(done)
         self.prefilling = [req for r, req in enumerate(self.prefilling) if r not in done_set]
         for req in joining:
@@ -519,6 +528,14 @@ class Engine:
         start = len(self.running)
         self.running.extend(joining)
         self._leave([start + j for j, req in enumerate(joining) if req.finished], None, outputs)
+
+    def _join_late(self, rows: list[Request]) -> None:
+        """Give blind rows a drafter context that starts now (`Drafter.join_late`), where the drafter can; they
+        draft once it holds LATE_WARMUP rounds of them."""
+        if rows and self.drafter.join_late([self._seqs[req.seq] for req in rows]):
+            for req in rows:
+                self._blind.discard(req.seq)
+                self._warming[req.seq] = LATE_WARMUP
 
     def _sighted(self, rows: list[Request]) -> list[int] | None:
         """Indices of the rows the drafter holds (None: all of them, the usual case)."""
@@ -550,7 +567,7 @@ class Engine:
         budget = []
         for req in rows:
             left = req.max_tokens - len(req.output_ids) - 1
-            if req.seq in self._blind:
+            if req.seq in self._blind or req.seq in self._warming:
                 left = 0
             budget.append(left if req.draft_limit is None else min(left, req.draft_limit))
         return _RoundInputs(rows, params, BatchSampling.from_params(params, self.target.device),
@@ -559,7 +576,7 @@ class Engine:
     def _wants_drafts(self, budget: list[int]) -> bool:
         """Whether this round calls the drafter (not while a slow drafting call's pause lasts)."""
         if self.gamma == 0 or max(budget) <= 0:
-            if self._blind:  # rows that could draft but have no drafter context: a back-off still counts down
+            if self._blind or self._warming:  # rows that could draft but lack drafter context: a back-off counts down
                 self.scheduler.idle_step(len(budget))
             return False
         if self._draft_pause > 0:
@@ -738,6 +755,14 @@ class Engine:
             predicted -= self.cost_model.overhead.fixed(len(rows))  # the round's own figure (overhead is outside it)
             if self.config.online_cost and not faulted and side is None:  # a fused pass prices the chunk too
                 self.cost_model.observe(len(rows), tokens, seconds, drafted, drafted_width)
+        if self._warming and not self._asleep:  # the drafter observed one more round of each late row
+            for req in rows:
+                left = self._warming.get(req.seq)
+                if left is not None:
+                    if left <= 1:
+                        del self._warming[req.seq]
+                    else:
+                        self._warming[req.seq] = left - 1
         now = time.perf_counter()
         for r, req in enumerate(rows):
             sig = signals[r, : available[r]].tolist() if self.config.record_signals and signals is not None else None
@@ -841,6 +866,7 @@ class Engine:
         for store in (self._features, self._streams, self._gens, self._seqs):
             store.pop(req.seq, None)
         self._blind.discard(req.seq)
+        self._warming.pop(req.seq, None)
 
     def _update_sleep(self) -> None:
         """Put the drafter to sleep when the scheduler turns dormant, wake it when it no longer is."""
@@ -854,10 +880,19 @@ class Engine:
             self.drafter.reset()
             self._asleep, self.want_features = True, False
             self._blind.update(req.seq for req in (*self.running, *self.prefilling))
+            self._warming.clear()
             for parts in self._features.values():
                 parts.clear()
             self.drafter_sleeps += 1
             log.info("drafter asleep: the scheduler expects no drafting for many steps")
             return
-        self._asleep, self.want_features = False, True  # the drafter holds no rows: every running row is blind
-        log.info("drafter awake: %d running requests stay without drafts", len(self.running))
+        self._asleep, self.want_features = False, True
+        # the drafter holds no rows: every running row gets a context from now on (where the drafter can), and
+        # joining rows whose prompt is not fed yet are captured whole
+        self._join_late([req for req in self.running if req.seq in self._blind])  # all of them: none joined asleep
+        for req in self.prefilling:
+            if req.prefilled == 0:
+                self._blind.discard(req.seq)
+        log.info("drafter awake: %d running requests draft from a context that starts now, %d stay without drafts",
+                 len(self.running) - sum(req.seq in self._blind for req in self.running),
+                 sum(req.seq in self._blind for req in self.running))
