@@ -788,10 +788,13 @@ class Scheduler:
         joining meanwhile have drafter context by the probe."""
         return self.max_backoff // 4
 
-    def rejudge(self, num_rows: int) -> None:
+    def rejudge(self, num_rows: int, fresh: bool = False) -> None:
         """End a back-off decided at a batch size over 2x away from `num_rows` (called by `wants_drafts` and
-        `idle_step`; a loop whose drafter sleeps calls it at the start of a step, before admitting requests)."""
-        if self._skip > 0 and not self._backoff_rows / 2 <= num_rows <= 2 * self._backoff_rows:
+        `idle_step`; a loop whose drafter sleeps calls it at the start of a step, before admitting requests), or
+        any back-off when `fresh`: the batch starts anew after the decoding loop went idle, so the load the
+        back-off was decided at is gone (a burst of 16 requests after one of 8 slept through its first 256 steps
+        on the tail of the last)."""
+        if self._skip > 0 and (fresh or not self._backoff_rows / 2 <= num_rows <= 2 * self._backoff_rows):
             # the back-off was decided at another load (over 2x apart, so that a batch hovering at its client
             # count does not reset it): drafting's worth changes with the batch size, so this batch is judged
             # afresh (a probe, unless the typical survivals predict no gain here either)

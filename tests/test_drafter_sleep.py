@@ -146,6 +146,43 @@ def test_the_drafter_sleeps_at_a_load_where_drafting_never_pays_and_stays_lossle
         assert r.output_ids == reference
 
 
+def test_a_burst_after_idleness_is_probed_before_its_requests_are_admitted(bundled_target, prompts) -> None:
+    """A back-off decided for the last burst says nothing of the next one: requests arriving at an idle engine
+    end it before they are admitted, so the drafter wakes and holds every new row's prompt, even at a batch size
+    within 2x of the back-off's, and the new load is judged afresh (here the gate still predicts no gain and
+    backs off again; where it predicts one, the first step probes: the next test)."""
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    infos = []
+    engine = Engine(bundled_target, drafter, "dspark", pays_only_below(1), EngineConfig(online_cost=False),
+                    eos_token_ids=NO_EOS, on_step=infos.append)
+    engine.run([Request(prompts[0], max_tokens=100) for _ in range(4)])  # they finish together: no drain
+    assert engine._asleep and engine.scheduler.backoff_left > engine.scheduler.wake_lead  # idle, deep in a back-off
+    seen = len(infos)
+    burst = [Request(p, max_tokens=30) for p in prompts[2:5]]
+    engine.run(burst)
+    first = infos[seen]
+    assert not first.asleep and first.blind == 0  # awake before they were admitted: every row sighted
+    assert engine.scheduler.backoff_left > 0  # the gate, judged afresh, still predicts no gain here
+    for r in burst:
+        assert r.output_ids == decode(bundled_target, NoDrafter(), [r.prompt_ids], max_new_tokens=30,
+                                      eos_token_ids=NO_EOS)[0].token_ids
+
+
+def test_a_fresh_batch_ends_a_back_off_that_a_similar_load_would_keep() -> None:
+    """`rejudge(n, fresh=True)` (requests arriving at an idle loop) ends a back-off decided at the same batch
+    size, and the next step probes where the typical survivals predict a gain; without `fresh` it goes on."""
+    dear = CostModel({b: [(n, 1.05 + 0.02 * (n - b)) for n in range(b, 8 * b + 1)] for b in (1, 2, 4, 8)},
+                     {b: 1.0 for b in (1, 2, 4, 8)}, "padded")
+    for fresh in (False, True):
+        s = Scheduler("dspark", gamma=7)
+        for _ in range(3):
+            s.plan(np.full((4, 7), 0.9).cumprod(1), [7] * 4, dear)
+        while s.backoff_left == 0:  # hard steps turn the smoothed gain negative: a back-off of 4 at 4 requests
+            s.plan(np.full((4, 7), 0.05).cumprod(1), [7] * 4, dear)
+        s.rejudge(4, fresh=fresh)
+        assert s.wants_drafts(4) == fresh
+
+
 def test_drafter_sleep_can_be_switched_off(bundled_target, prompts) -> None:
     drafter = dspark.load_drafter("dspark", bundled_target)
     engine = Engine(bundled_target, drafter, "dspark", pays_only_below(4),

@@ -332,6 +332,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         self._fresh.clear()
         self._drop_cancelled(outputs)
+        self._rejudge_load()
         self._update_sleep()
         self._admit()
         prefill_start = time.perf_counter()
@@ -868,12 +869,22 @@ class Engine:
         self._blind.discard(req.seq)
         self._warming.pop(req.seq, None)
 
+    def _rejudge_load(self) -> None:
+        """Before admitting: end an adaptive scheduler's back-off when requests arrive at an idle engine (the load it
+        was decided at is gone; a burst of 16 requests after one of 8 slept through its first 256 steps on the tail
+        of the last), or, while the drafter sleeps, when the batch this step's admissions make is over 2x from the
+        back-off's, so that the rows joining now are captured whole rather than joined late."""
+        idle = not (self.running or self.prefilling)
+        if not self.scheduler.adaptive or not (idle or self._asleep):
+            return
+        coming = min(self.config.max_running, len(self.running) + len(self.prefilling) + len(self.waiting))
+        if coming:
+            self.scheduler.rejudge(coming, fresh=idle)
+
     def _update_sleep(self) -> None:
         """Put the drafter to sleep when the scheduler turns dormant, wake it when it no longer is."""
         if not self._can_sleep:
             return
-        if self._asleep and self.running:  # a load that moved over 2x ends the back-off before anyone is admitted
-            self.scheduler.rejudge(len(self.running))
         if self.scheduler.dormant == self._asleep:
             return
         if not self._asleep:
