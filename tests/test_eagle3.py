@@ -71,7 +71,7 @@ def test_ttt_steps_match_drafting_steps():
     drafter.start([ids[: p + 1].tolist()], target.forward([ids[:p].tolist()], features=True).features)
     counts = torch.tensor([p])
     with torch.no_grad():
-        out = drafter._step(model.project(drafter.pending_feats[0].unsqueeze(0)), torch.tensor([drafter.pending_toks[0]]), counts)
+        out = drafter._step(model.project(torch.cat(drafter.pending_feats[0]).unsqueeze(0)), torch.tensor([drafter.pending_toks[0]]), counts)
         hidden = out[:, -1:]
         for j in (1, 2):
             hidden = drafter._step(hidden, ids[p + j].view(1, 1), torch.tensor([1]))
@@ -129,3 +129,40 @@ def test_fused_qkv_matches_separate_projections():
         torch.testing.assert_close(q, apply_rope(ref(attn.q_proj, attn.q_norm, cfg.num_attention_heads), cos, sin))
         torch.testing.assert_close(k, apply_rope(ref(attn.k_proj, attn.k_norm, cfg.num_key_value_heads), cos, sin))
         torch.testing.assert_close(v, ref(attn.v_proj, None, cfg.num_key_value_heads))
+
+
+
+def test_rounds_without_drafts_queue_pairs_that_the_next_draft_feeds_as_if_fed_each_round():
+    """Rounds that draft nothing (a back-off) queue their (feature, token) pairs per row, a chunk per round; the
+    next draft feeds them all at once into the same cache, so its first slot's q equals that of a drafter that
+    drafted (and so fed) after every round."""
+    from dspark.drafters.base import RoundOutcome
+
+    tm, model = setup()
+    target = CausalLM(tm)
+    lazy, eager = Eagle3Drafter(model, target), Eagle3Drafter(model, target)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    target.set_feature_layers(lazy.feature_layers)
+    target.reset(2)
+    feats = target.forward([p[:-1] for p in prompts], features=True).features
+    for d in (lazy, eager):
+        d.start(prompts, feats)
+    seqs = [list(p) for p in prompts]
+    greedy = BatchSampling.from_params([SamplingParams()] * 2, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    rounds = ([2, 1], [1, 3], [3, 2], [1, 1])  # tokens committed per row and round
+    for i, counts in enumerate(rounds):
+        committed = [torch.randint(1, 90, (n,), generator=gen).tolist() for n in counts]
+        outcome = RoundOutcome(committed, [n - 1 for n in counts], torch.randn(2, 3, feats.shape[-1], generator=gen))
+        lazy.observe(outcome)
+        eager.observe(outcome)
+        for s, c in zip(seqs, committed):
+            s.extend(c)
+        if i + 1 < len(rounds):  # the eager drafter drafts each round (feeding its pairs); its drafts are dropped
+            eager.propose(seqs, greedy, [None, None])
+    assert [len(f) for f in lazy.pending_feats] == [5, 5]  # the prompt's chunk and four rounds'
+    sampled = BatchSampling.from_params([SamplingParams(temperature=1.0)] * 2, "cpu")
+    got = lazy.propose(seqs, sampled, [torch.Generator().manual_seed(i) for i in range(2)])
+    want = eager.propose(seqs, sampled, [torch.Generator().manual_seed(i) for i in range(2)])
+    assert torch.equal(lazy.lengths, eager.lengths)
+    torch.testing.assert_close(got.probs[:, 0], want.probs[:, 0], atol=1e-5, rtol=1e-4)
