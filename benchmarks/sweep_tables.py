@@ -50,10 +50,12 @@ def tables(result: dict) -> str:
                 others = [(means[(t, a, c)][0], a) for a in arms if a not in ADAPTIVE and (t, a, c) in means]
                 top, top_arm = max(others)
                 best.append(f"{means[(t, arm, c)][0] / top:.2f}× ({top_arm})")
-                over_none.append(f"{means[(t, arm, c)][0] / means[(t, 'none', c)][0]:.2f}×")
+                none = means.get((t, "none", c))
+                over_none.append("-" if none is None else f"{means[(t, arm, c)][0] / none[0]:.2f}×")
             out.append(f"| `{arm}` / best other arm | " + " | ".join(best) + " |")
-            out.append(f"| `{arm}` / none | " + " | ".join(over_none) + " |")
-        if "fixed:7" in arms:
+            if "none" in arms:  # a sweep without the no-speculation arm has no ratios to it
+                out.append(f"| `{arm}` / none | " + " | ".join(over_none) + " |")
+        if "fixed:7" in arms and "none" in arms:
             out.append("| fixed:7 / none | " + " | ".join(
                 f"{means[(t, 'fixed:7', c)][0] / means[(t, 'none', c)][0]:.2f}×" for c in concs) + " |")
         out.append("")
