@@ -792,8 +792,7 @@ class Scheduler:
         """End a back-off decided at a batch size over 2x away from `num_rows` (called by `wants_drafts` and
         `idle_step`; a loop whose drafter sleeps calls it at the start of a step, before admitting requests), or
         any back-off when `fresh`: the batch starts anew after the decoding loop went idle, so the load the
-        back-off was decided at is gone (a burst of 16 requests after one of 8 slept through its first 256 steps
-        on the tail of the last)."""
+        back-off was decided at is gone."""
         if self._skip > 0 and (fresh or not self._backoff_rows / 2 <= num_rows <= 2 * self._backoff_rows):
             # the back-off was decided at another load (over 2x apart, so that a batch hovering at its client
             # count does not reset it): drafting's worth changes with the batch size, so this batch is judged

@@ -120,9 +120,7 @@ class BlockDrafter(Drafter):
         fresh = ContextCache()
         self._append_context(prefill_features, counts, fresh)
         self.ctx.extend(fresh)
-        joined = len(prompts)  # the new rows have nothing pending
-        self._pending = [(torch.cat([f, f.new_zeros(joined, *f.shape[1:])]), torch.cat([c, c.new_zeros(joined)]))
-                         for f, c in self._pending]
+        self._pad_pending(len(prompts))
 
     def join_late(self, sequences) -> bool:
         """Add rows for requests that are already decoding but whose target features were never captured (they
@@ -139,10 +137,13 @@ class BlockDrafter(Drafter):
         counts = torch.zeros(len(sequences), dtype=torch.long, device=device)
         self._append_context(torch.zeros(len(sequences), 1, dim, device=device), counts, fresh)  # one masked slot
         self.ctx.extend(fresh)
-        joined = len(sequences)
+        self._pad_pending(len(sequences))
+        return True
+
+    def _pad_pending(self, joined: int) -> None:
+        """Give every queued round `joined` new rows at the end, with nothing queued."""
         self._pending = [(torch.cat([f, f.new_zeros(joined, *f.shape[1:])]), torch.cat([c, c.new_zeros(joined)]))
                          for f, c in self._pending]
-        return True
 
     def observe(self, outcome: RoundOutcome) -> None:
         """Queue the features of each row's anchor and accepted drafts for the context. They are projected at

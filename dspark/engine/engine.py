@@ -86,8 +86,8 @@ class StepInfo:
     join_seconds: the part of prefill_seconds spent moving finished prefills into the batch (target cache and
     drafter state). prefill_slots: the prefill pass's prefilling rows × its width (prefill_tokens plus padding).
     asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
-    context (admitted or running while it slept, until it wakes and joins them late), which verify no drafts. planned: the scheduler computed
-    survivals and planned the round (an adaptive one skips planning where it does not pay, `plan_pays`, and
+    context (admitted or running while it slept, until it wakes and joins them late), which verify no drafts.
+    planned: the scheduler computed survivals and planned the round (an adaptive one skips planning where it does not pay, `plan_pays`, and
     then verifies every available draft). fused_prefill: the step's prefill chunk went through the round's target
     pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone). draft_width: the
     slots the drafting call drafted per row (None when the round did not draft), which the cost model prices.
@@ -871,9 +871,8 @@ class Engine:
 
     def _rejudge_load(self) -> None:
         """Before admitting: end an adaptive scheduler's back-off when requests arrive at an idle engine (the load it
-        was decided at is gone; a burst of 16 requests after one of 8 slept through its first 256 steps on the tail
-        of the last), or, while the drafter sleeps, when the batch this step's admissions make is over 2x from the
-        back-off's, so that the rows joining now are captured whole rather than joined late."""
+        was decided at is gone), or, while the drafter sleeps, when the batch this step's admissions make is over
+        2x from the back-off's, so that the rows joining now are captured whole rather than joined late."""
         idle = not (self.running or self.prefilling)
         if not self.scheduler.adaptive or not (idle or self._asleep):
             return
