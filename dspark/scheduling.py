@@ -614,12 +614,27 @@ def best_width(survival, limits: Sequence[int], cost: CostModel, token_budget: i
     lim = _as_numpy(limits, np.int64)
     if a.ndim != 2 or a.shape[1] == 0 or not len(lim):
         return max(1, a.shape[-1] if a.ndim == 2 else 1)
+    num, width = len(lim), a.shape[1]
+    _, pos, vals = admission_order(a, lim)  # a narrower block's path is this one's candidates at positions ≤ w
+    # every step any width's path can take, priced once at the profiled width, then per drafted width by its
+    # slots as `CostModel.cost_many` does: ragged, by the candidates admitted; padded, by the step's width
+    grid = num + np.arange(len(vals) + 1) if cost.layout == "ragged" else num * (1 + np.arange(width + 1))
+    fixed = cost.overhead.fixed(num)
+    core = cost.cost_many(num, grid) - fixed
     best, best_theta = 1, -math.inf
-    order = admission_order(a, lim)  # a narrower block's path is this one's candidates at positions ≤ w
-    for w in range(1, a.shape[1] + 1):
-        keep = order[1] <= w
-        _, _, vals, _, seconds, _ = _priced_path(*(x[keep] for x in order), np.minimum(lim, w), cost, token_budget, w)
-        theta = float(np.max((len(lim) + np.concatenate([[0.0], np.cumsum(vals)])) / seconds))
+    for w in range(1, width + 1):
+        saving = cost.width_saving(num, w)
+        prices = (np.maximum(core - saving, 0.5 * core) if saving else core) + fixed
+        keep = pos <= w
+        v = vals[keep]
+        at = np.arange(len(v) + 1) if cost.layout == "ragged" else np.maximum.accumulate(
+            np.concatenate([[0], pos[keep]]))
+        tau = num + np.concatenate([[0.0], np.cumsum(v)])
+        if token_budget is not None:
+            fits = grid[at] <= max(token_budget, num)
+            stop = len(fits) if fits.all() else int(np.argmin(fits))
+            tau, at = tau[:stop], at[:stop]
+        theta = float(np.max(tau / prices[at]))
         if theta > best_theta * (1 + 1e-9):
             best, best_theta = w, theta
     return best
@@ -1017,7 +1032,9 @@ class Scheduler:
         """Survivals [R, w] of a block drafted `w` slots wide as [R, γ] (zero past w: no such drafts)."""
         if a.shape[1] >= self.gamma:
             return a
-        return np.pad(a, ((0, 0), (0, self.gamma - a.shape[1])))
+        whole = np.zeros((a.shape[0], self.gamma), dtype=a.dtype)
+        whole[:, : a.shape[1]] = a
+        return whole
 
     def _drafting_rows_gain(self, a: np.ndarray, lim: np.ndarray, num: int, cost: CostModel) -> float:
         """The step's gain had every row drafted like the rows that could: Algorithm 1 on their mean survival

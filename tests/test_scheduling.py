@@ -849,3 +849,45 @@ def test_a_narrow_block_leaves_the_typical_row_past_it_alone():
     s.plan(np.array([[0.5]]), [1], width_cost(0.0))
     assert s._last_mean.shape == (3,)
     assert s._last_mean[0] < before[0] and s._last_mean[1:] == pytest.approx(np.minimum(before[1:], s._last_mean[0]))
+
+
+def _best_width_by_paths(a, lim, cost, token_budget=None):
+    """best_width written out: each drafted width's own admission path, priced by `_priced_path` (the reference)."""
+    from dspark.scheduling import _priced_path
+
+    best, best_theta = 1, -np.inf
+    order = admission_order(a, lim)
+    for w in range(1, a.shape[1] + 1):
+        keep = order[1] <= w
+        _, _, vals, _, seconds, _ = _priced_path(*(x[keep] for x in order), np.minimum(lim, w), cost, token_budget, w)
+        theta = float(np.max((len(lim) + np.concatenate([[0.0], np.cumsum(vals)])) / seconds))
+        if theta > best_theta * (1 + 1e-9):
+            best, best_theta = w, theta
+    return best
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+def test_best_width_matches_pricing_each_widths_path(layout):
+    """best_width prices every step once and each drafted width by its slots; it must choose what pricing each
+    width's own path does, on random tables, online corrections, survivals, limits and budgets."""
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        num, gamma = int(rng.integers(1, 20)), int(rng.integers(1, 8))
+        batches = (1, 4, 16)
+        slope = rng.uniform(0.0, 0.2)
+        if layout == "ragged":
+            cells = {b: [(b + n, 1.0 + b / 16 + slope * n ** rng.uniform(0.5, 1.5))
+                         for n in range(0, 8 * b + 1, max(1, b // 2))] for b in batches}
+        else:
+            cells = {b: [(b * (1 + w), 1.0 + b / 16 + slope / 8 * w ** rng.uniform(0.5, 1.5)) for w in range(8)]
+                     for b in batches}
+        cost = CostModel(cells, {b: 0.9 + b / 20 for b in batches}, layout,
+                         draft_slot={b: rng.uniform(0, 0.05) for b in batches}, width=7)
+        if trial % 3 == 0:
+            for _ in range(5):
+                cost.observe(num, num * 3 if layout == "padded" else num + 2, rng.uniform(0.5, 3.0), drafted=True,
+                             width=int(rng.integers(1, 8)))
+        a = np.minimum.accumulate(rng.uniform(0.05, 1.0, (num, gamma)), axis=1)
+        lim = rng.integers(0, gamma + 1, num)
+        budget = None if trial % 2 else int(rng.integers(num, num * (gamma + 1) + 1))
+        assert best_width(a, lim, cost, budget) == _best_width_by_paths(a, lim, cost, budget)
