@@ -891,3 +891,68 @@ def test_best_width_matches_pricing_each_widths_path(layout):
         lim = rng.integers(0, gamma + 1, num)
         budget = None if trial % 2 else int(rng.integers(num, num * (gamma + 1) + 1))
         assert best_width(a, lim, cost, budget) == _best_width_by_paths(a, lim, cost, budget)
+
+
+def test_a_cell_never_measured_follows_its_rows_trend():
+    """Served steps inflate a row's cells unevenly: here the correction grows by 0.05 in log per cell. Measuring
+    cells 4-7 teaches the trend, so the never-measured cells 1-3 are priced near the truth, not at the row's mean
+    correction; measuring a single cell teaches no trend."""
+    table = [(1 + w, 1.0 + 0.1 * w) for w in range(8)]
+
+    def truth(w: int) -> float:
+        return (1.0 + 0.1 * w) * np.exp(0.05 * (w - 5))
+
+    cost, untrended = CostModel({1: table}, {1: 0.9}, "padded"), CostModel({1: table}, {1: 0.9}, "padded")
+    untrended.TREND_MAX = 0.0
+    for step in range(200):
+        w = 4 + step % 4
+        for model in (cost, untrended):
+            model.observe(1, 1 + w, truth(w), drafted=True)
+    for w in (1, 2, 3):
+        error, before = (abs(m.cost(1, 1 + w) / truth(w) - 1) for m in (cost, untrended))
+        assert error < 0.1 and error < 0.5 * before
+    assert cost.cost(1, 1 + 5) == pytest.approx(truth(5))  # a measured cell keeps its own correction
+    flat = CostModel({1: table}, {1: 0.9}, "padded")
+    for _ in range(200):
+        flat.observe(1, 1 + 6, truth(6), drafted=True)
+    for w in (1, 2, 3):  # the row's correction, as before the trend
+        assert flat.cost(1, 1 + w) == pytest.approx((1.0 + 0.1 * w) * truth(6) / 1.6, rel=1e-6)
+    steep = CostModel({1: table}, {1: 0.9}, "padded")
+    for step in range(200):  # a trend far steeper than any served one is clamped
+        steep.observe(1, 2 + step % 2, 10.0 if step % 2 else 0.1, drafted=True)
+    assert abs(steep._trend(("d", 1))[0]) == pytest.approx(CostModel.TREND_MAX)
+
+
+def test_an_adaptive_policy_explores_a_narrower_width_and_finds_the_faster_one():
+    """The profile prices each verified slot at 2% of a step, the server at 15%: the best width is 4, not the 7
+    the profile suggests. Without exploring, the policy only ever measures width 7 and keeps it; drafting one
+    slot narrower every EXPLORE_EVERY planned steps, the measured cells and the row's trend walk it down to the
+    faster widths. Where the profile is right, exploring leaves it wide."""
+    base = np.array([0.9, 0.75, 0.6, 0.45, 0.3, 0.2, 0.1])
+
+    def serve(explore_every: int, slope: float = 0.15) -> list[int]:
+        rng = np.random.default_rng(0)
+        cost = CostModel({1: [(1 + w, 1.0 + 0.02 * w) for w in range(8)]}, {1: 0.9}, "padded")
+        s = Scheduler("dspark", 7)
+        s.EXPLORE_EVERY = explore_every
+        verified = []
+        for _ in range(300):
+            if not s.wants_drafts(1):
+                cost.observe(1, 1, 0.9, drafted=False)
+                continue
+            width = s.draft_limit or 7
+            survival = np.minimum.accumulate(np.clip(base * rng.uniform(0.7, 1.3), 0, 1))
+            ell = s.plan(survival[None, :width], [width], cost).lengths[0]
+            cost.observe(1, 1 + ell, (1.0 + slope * ell) * rng.uniform(0.9, 1.1), drafted=True, width=width)
+            verified.append(ell)
+        return verified[-150:]
+
+    def theta(ell: int) -> float:
+        return (1 + base[:ell].sum()) / (1.0 + 0.15 * ell)
+
+    assert max(range(8), key=theta) == 4
+    stuck, exploring = serve(10**9), serve(Scheduler.EXPLORE_EVERY)
+    assert np.mean(stuck) == 7
+    assert 3 <= np.median(exploring) <= 5
+    assert np.mean([theta(x) for x in exploring]) > 1.05 * np.mean([theta(x) for x in stuck])
+    assert np.median(serve(Scheduler.EXPLORE_EVERY, slope=0.02)) >= 6
