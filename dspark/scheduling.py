@@ -64,14 +64,6 @@ class CostModel:
     stale_after: int = 32
     #: measurements over which a batch row's count of measurements halves (the level's reference row)
     REFERENCE_HALF_LIFE: ClassVar[int] = 64
-    #: weight of a drafted step in its batch row's trend: how its log correction moves from cell to cell (`_trend`)
-    TREND_ALPHA: ClassVar[float] = 0.05
-    #: shrinks a trend toward none: added to the variance of the measured cells (in cells²) ...
-    TREND_RIDGE: ClassVar[float] = 0.25
-    #: ... and, as a count of steps, to the trend's weight of measurements
-    TREND_PRIOR: ClassVar[float] = 4.0
-    #: the steepest trend, in log correction per cell
-    TREND_MAX: ClassVar[float] = 0.1
     #: seconds one more drafted slot adds to a drafted step, per profiled batch size (the drafting call's slope
     #: in its width, `dspark.profiling.profile_steps`); with `width`, a step drafting fewer slots than the
     #: profile did costs that much less (`width_saving`). Empty: the drafted width costs nothing
@@ -85,8 +77,6 @@ class CostModel:
     _count: int = field(default=0, repr=False)
     _kinds: dict[str, tuple[float, float, int, int]] = field(default_factory=dict, repr=False)
     _cells: dict[tuple, tuple[float, float, int, int]] = field(default_factory=dict, repr=False)
-    #: per drafted batch row: forgetting sums of its measured steps' cell x and log ratio y (1, x, x², y, xy)
-    _trends: dict[tuple, np.ndarray] = field(default_factory=dict, repr=False)
     #: the level's reference: the batch row (drafted or plain) measured most lately, the level and that row's
     #: log correction when it became the reference, and per row its measurements with forgetting (weight,
     #: measurement count when last updated)
@@ -255,10 +245,7 @@ class CostModel:
             return self._kind_log(kind)
         parent = key[:2] if len(key) == 3 else None
         if key not in self._cells:
-            if parent is None:
-                return self._kind_log(kind)
-            slope, centre = self._trend(parent)
-            return self._cell_log(parent, kind) + slope * (key[2] - centre)
+            return self._cell_log(parent, kind) if parent is not None else self._kind_log(kind)
         mean, parent_then, count, _ = self._cells[key]
         if self._count - count <= self.stale_after:
             return mean
@@ -311,10 +298,6 @@ class CostModel:
         chain = [key[:2], key] if len(key) == 3 else [key]  # the row first: a cell's parent
         before = {k: (self._cell_log(k, kind), self._runs(k)) for k in chain}
         self._count += 1
-        if len(key) == 3:  # the row's trend across cells
-            x = float(key[2])
-            sums = self._trends.get(key[:2], np.zeros(5))
-            self._trends[key[:2]] = (1 - self.TREND_ALPHA) * sums + np.array([1.0, x, x * x, log_ratio, x * log_ratio])
         if first_kind or seen >= 1 / a:
             kind_new = kind_now + a * (log_ratio - kind_now)
         else:  # another kind's first measurements (a running mean) learn its own offset
@@ -331,25 +314,6 @@ class CostModel:
             self._cells[k] = (new, parent_new, self._count, runs + 1)
             parent_new = new
         self._follow_reference(chain[0])
-
-    def _trend(self, row: tuple) -> tuple[float, float]:
-        """(slope, centre) of drafted batch row `row`'s correction across its cells: the weighted least-squares
-        slope of the measured log ratios in the cell index, shrunk toward 0 where the measured cells are few or
-        close together (TREND_RIDGE, TREND_PRIOR) and clamped to ±TREND_MAX, and the measurements' mean cell.
-
-        A cell never measured is priced at its row's correction moved along this trend. Serving inflates a
-        row's cells unevenly (16 requests at temperature 1 over HTTP: a round of width 3 took 1.2x its profiled
-        time, one of width 6 1.4x), and a policy measures only the widths it verifies: with the row's mean
-        correction alone, the widths it never verified were priced like the ones it did, so narrower ones
-        looked dearer than they were, wide plans stayed wide and their gain over plain decoding shrank."""
-        sums = self._trends.get(row)
-        if sums is None or sums[0] <= 0:
-            return 0.0, 0.0
-        w, sx, sxx, sy, sxy = sums
-        centre = sx / w
-        var = max(0.0, sxx / w - centre * centre)
-        slope = (sxy / w - centre * sy / w) / (var + self.TREND_RIDGE) * w / (w + self.TREND_PRIOR)
-        return float(min(self.TREND_MAX, max(-self.TREND_MAX, slope))), float(centre)
 
     def _row_weight(self, row: tuple) -> float:
         """A batch row's count of measurements, halving every REFERENCE_HALF_LIFE measurements."""
@@ -733,8 +697,7 @@ class Scheduler:
     An adaptive policy also chooses how many slots the next step drafts (`draft_limit`), before drafting and
     from the last planned step only (non-anticipating): the width at which that step's survivals gave the
     fastest step, each width priced by the drafter's per-slot cost (`best_width`), one slot wider when that
-    was the whole drafted width (so a narrowed width can grow back), one slot narrower every EXPLORE_EVERY
-    planned steps (so the cost model measures more than one width), and the whole block until a step has
+    was the whole drafted width (so a narrowed width can grow back), and the whole block until a step has
     been planned. Gains are judged at the best width too.
     """
 
@@ -748,12 +711,6 @@ class Scheduler:
     PLAN_REFRESH = 16
     #: weight of a planned step in the smoothed advantage of planning and in its measured own work
     PLAN_SMOOTHING = 0.1
-    #: every this many planned steps an adaptive policy drafts the next step one slot narrower than the width it
-    #: found fastest, so that the online correction measures more than the one width it would verify: what it
-    #: learns of a batch row's cells spreads to the cells never measured along the row's trend
-    #: (`CostModel._trend`), which needs steps at more than one width. Decided before drafting, from the count
-    #: of planned steps: non-anticipating
-    EXPLORE_EVERY = 16
 
     def __init__(self, spec: str, gamma: int, max_backoff: int = 256) -> None:
         self.spec = spec
@@ -782,7 +739,6 @@ class Scheduler:
         self._gain_bucket = 0  # the batch bucket of the last planned step (where `_gain` was last updated)
         self.skipped_plans = 0
         self._width: int | None = None  # an adaptive policy's next drafted width (None: the whole block)
-        self._planned = 0  # planned steps (EXPLORE_EVERY)
 
     @property
     def needs_survival(self) -> bool:
@@ -1062,9 +1018,6 @@ class Scheduler:
         # block's whole width (a row near its token limit says nothing of what the next rows will need)
         width = best_width(a, np.where(lim > 0, a.shape[1], 0), cost, token_budget)
         self._width = min(self.gamma, width + 1) if width >= a.shape[1] else width
-        self._planned += 1
-        if self._planned % self.EXPLORE_EVERY == 0 and width > 1:
-            self._width = width - 1  # measure the next narrower cell (see EXPLORE_EVERY)
         self._last_cost = cost
         gain = _log_gain(theta, cost.plain_cost(num), num)
         if self.adaptive and self._probing and (lim > 0).any():
