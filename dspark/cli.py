@@ -158,6 +158,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.identity import drafter_id
     from dspark.profiling import default_profile_path, fingerprint_for, plot_profile, profile_steps
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target, args.gamma, calibration=None)
     prof = profile_steps(target, drafter, batches=args.batches, context_len=args.context_len, warmup=args.warmup,
@@ -317,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--reps", type=POSITIVE, default=5)
     pr.add_argument("--out", default=None, help="profile JSON (default: this setup's cache file, used automatically)")
     pr.add_argument("--plot", default=None, help="write a PNG of the profile")
+    pr.add_argument("--threads", type=POSITIVE, default=None,
+                    help="torch intra-op threads (default: torch's; `dspark serve` on a CPU uses one fewer than its "
+                         "cores, so profile a server's steps with that many)")
     _add_model_args(pr)
     pr.set_defaults(func=cmd_profile)
     r = sub.add_parser("regenerate", help="answer prompts with the target (drafter training data)")

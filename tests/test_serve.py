@@ -514,3 +514,13 @@ def test_dspark_serve_exits_cleanly_on_sigterm(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_serving_threads_leave_a_core_to_the_http_server_on_a_cpu():
+    import torch
+
+    from dspark.arguments import serving_threads
+
+    assert serving_threads("cpu", None) == max(1, torch.get_num_threads() - 1)
+    assert serving_threads("cpu", 3) == 3 and serving_threads("cuda", 2) == 2
+    assert serving_threads("cuda", None) is None and serving_threads("cuda:1", None) is None

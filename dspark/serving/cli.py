@@ -68,6 +68,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "during long back-offs (default: on)")
     s.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine step (batch, tokens, timings, the cost model's prediction)")
+    s.add_argument("--threads", type=int_arg(1), default=None,
+                   help="torch intra-op threads of the engine (default on a CPU: one fewer than its cores, at least "
+                        "1, leaving a core to the HTTP server; elsewhere torch's default)")
     s.add_argument("--served-model-name", default=None,
                    help="the `model` clients ask for (default: the target folder's name)")
     s.add_argument("--shutdown-timeout", type=real_arg(0.0), default=30.0,
@@ -89,6 +92,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT; return 0 after a graceful shutdown."""
     from dspark.api import load_drafter, load_target, step_cost_model
+    from dspark.arguments import serving_threads
     from dspark.drafters.base import drafter_gamma
     from dspark.engine import Engine
     from dspark.engine.steplog import StepLog, chain
@@ -104,6 +108,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             step_log = StepLog(args.step_log)
         except OSError as err:
             raise ValueError(f"--step-log: cannot write {args.step_log}: {err.strerror or err}") from None
+    threads = serving_threads(args.device, args.threads)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target)
     gamma = drafter_gamma(drafter)
@@ -125,8 +134,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(runner, name, metrics)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_timeout), runner)
+    import torch
+
     print(f"dspark: serving {name!r} at http://{args.host}:{args.port}/v1 (drafter {args.drafter}, scheduler "
-          f"{args.scheduler})", file=sys.stderr)
+          f"{args.scheduler}, {torch.get_num_threads()} torch threads)", file=sys.stderr)
     runner.start()
     # uvicorn re-raises the signal it caught once it has stopped; a no-op handler makes that an exit 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
