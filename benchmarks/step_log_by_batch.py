@@ -12,16 +12,11 @@ longest verified block. Step logs come from `dspark serve --step-log` (in `bench
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 
 import numpy as np
 
+from dspark.engine.steplog import read_step_log
 
-def read(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def main() -> None:
@@ -32,7 +27,7 @@ def main() -> None:
     logs = {}
     for item in args.logs:
         name, sep, path = item.partition("=")
-        logs[name if sep else item] = read(path if sep else item)
+        logs[name if sep else item] = read_step_log(path if sep else item)
     for name, steps in logs.items():
         print(name, len(steps), "steps; batch-size histogram", np.bincount([s["batch"] for s in steps]).tolist())
     top = max(s["batch"] for steps in logs.values() for s in steps)

@@ -10,15 +10,10 @@ the rest of the round: verification, commit and bookkeeping; and the step outsid
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 
+from dspark.engine.steplog import read_step_log
 
-def read(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def summary(records: list[dict], min_batch: int) -> str:
@@ -48,7 +43,7 @@ def main() -> int:
     print(f"python benchmarks/step_log_compare.py {' '.join(sys.argv[1:])}")
     for item in args.logs:
         name, _, path = item.partition("=")
-        print(f"{name}: {summary(read(path), args.min_batch)}")
+        print(f"{name}: {summary(read_step_log(path), args.min_batch)}")
     return 0
 
 

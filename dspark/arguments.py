@@ -233,8 +233,8 @@ def serving_threads(device: str, threads: int | None) -> int | None:
 
     A server's event loop (HTTP, SSE, detokenizing) shares the CPU with the engine thread, and a parallel region
     whose worker is descheduled waits for it: on 2 cores with the load generator beside it, 1 intra-op thread
-    served 1.12-1.24x the output tokens/s of 2 at 4 and 16 clients, temperature 1, with and without drafting (means of 2 repeats)
-    (`benchmarks/results/serving/threads/`)."""
+    served 1.12-1.24x the output tokens/s of 2 at 4 and 16 clients, temperature 1, with and without drafting
+    (means of 2 repeats, `benchmarks/results/serving/threads/`)."""
     if threads is not None:
         return int(threads)
     if str(device).startswith("cpu"):
@@ -242,4 +242,3 @@ def serving_threads(device: str, threads: int | None) -> int | None:
 
         return max(1, torch.get_num_threads() - 1)
     return None
-

@@ -7,6 +7,7 @@ only; nothing dspark loads is ever unpickled.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -115,9 +116,15 @@ def read_json(path: str | Path, what: str) -> Any:
 def read_json_lines(path: str | Path, what: str) -> list[tuple[str, Any]]:
     """(line, row) for every non-blank line of a JSON-lines file that is appended to as it goes (a training
     log, a step log). A last line cut short (no newline: the writer was killed mid-line) is left out; any
-    other line that is not JSON raises FileReadError naming `what`, the file and the line."""
+    other line that is not JSON raises FileReadError naming `what`, the file and the line. A `.gz` file is read
+    decompressed (logs kept under benchmarks/results/ are gzipped)."""
     p = Path(path)
-    lines = p.read_text(encoding="utf-8").splitlines(keepends=True)
+    if p.suffix == ".gz":
+        with gzip.open(p, "rt", encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = p.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
     out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

@@ -2,6 +2,7 @@
 a reader that survives a writer killed mid-line."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -89,6 +90,10 @@ def test_a_line_cut_short_at_the_end_is_skipped_and_one_in_the_middle_fails(tmp_
     path.write_text(f"{good}\n{{\"batch\": 2, \"tok\n{good}\n")
     with pytest.raises(ValueError, match=r"step log .*steps\.jsonl line 2 is not valid JSON"):
         read_step_log(path)
+    packed = tmp_path / "steps.jsonl.gz"  # as kept under benchmarks/results/
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write(f"{good}\n{good}\n")
+    assert read_step_log(packed) == [{"batch": 1}, {"batch": 1}]
 
 
 def test_a_failed_write_ends_the_log_without_failing_the_step(tmp_path, caplog):

@@ -87,8 +87,8 @@ class StepInfo:
     drafter state). prefill_slots: the prefill pass's prefilling rows × its width (prefill_tokens plus padding).
     asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
     context (admitted or running while it slept, until it wakes and joins them late), which verify no drafts.
-    planned: the scheduler computed survivals and planned the round (an adaptive one skips planning where it does not pay, `plan_pays`, and
-    then verifies every available draft). fused_prefill: the step's prefill chunk went through the round's target
+    planned: the scheduler computed survivals and planned the round (an adaptive one skips planning where it
+    does not pay, `plan_pays`, and then verifies every available draft). fused_prefill: the step's prefill chunk went through the round's target
     pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone). draft_width: the
     slots the drafting call drafted per row (None when the round did not draft), which the cost model prices.
     expected_gain / backoff_left / gate_bias: an adaptive scheduler's state after the round

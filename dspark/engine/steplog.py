@@ -4,8 +4,8 @@ Each line holds what `StepInfo` measured (batch, query tokens, drafted or not, r
 target seconds, the cost model's prediction, drafts verified and accepted, the target cache's slots per row and
 live tokens, the time spent joining finished prefills, whether the scheduler planned the round, the drafted
 width, an adaptive scheduler's smoothed expected gain, back-off left and gate correction) and `started`, the
-step's start on the process's perf_counter clock, so that gaps between steps (time the engine thread spent outside `step`:
-dispatching outputs, waiting for the interpreter lock) can be read off. The file is appended to while the
+step's start on the process's perf_counter clock, so that gaps between steps (time the engine thread spent
+outside `step`: dispatching outputs, waiting for the interpreter lock) can be read off. The file is appended to while the
 server runs, a line at a time: a reader skips a last line cut short by a crash (`read_step_log`).
 """
 from __future__ import annotations

@@ -91,6 +91,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT; return 0 after a graceful shutdown."""
+    import torch
+
     from dspark.api import load_drafter, load_target, step_cost_model
     from dspark.arguments import serving_threads
     from dspark.drafters.base import drafter_gamma
@@ -110,8 +112,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--step-log: cannot write {args.step_log}: {err.strerror or err}") from None
     threads = serving_threads(args.device, args.threads)
     if threads is not None:
-        import torch
-
         torch.set_num_threads(threads)
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target)
@@ -134,8 +134,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(runner, name, metrics)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_timeout), runner)
-    import torch
-
     print(f"dspark: serving {name!r} at http://{args.host}:{args.port}/v1 (drafter {args.drafter}, scheduler "
           f"{args.scheduler}, {torch.get_num_threads()} torch threads)", file=sys.stderr)
     runner.start()
