@@ -18,7 +18,9 @@ apart share the machine's state and the prompts' difficulty. A block's last requ
 concurrency while it drains, the same for every arm. `--online-calibration` gives the adaptive arms the
 online calibrator `dspark serve` runs with (an arm's `+online` / `+offline` suffix overrides it,
 so one run can compare both; `+unfused` runs every prefill chunk in a pass of its own instead of in the
-round's, `EngineConfig.fuse_prefill`); `--warmup` blocks run first and are not counted.
+round's, `EngineConfig.fuse_prefill`; `+nopassfit` prices every step at the profile's context and keeps
+fused rounds out of the online correction, `EngineConfig.pass_fit`); `--warmup` blocks run first and are not
+counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
 that verify the same lengths (every fixed K, or K and itself) replay the same sample in every block and every
@@ -41,6 +43,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_sweep import request_length  # noqa: E402
@@ -76,9 +80,9 @@ class Arm:
         ignore_eos: every request generates its whole length, past the target's EOS."""
         self.spec = spec
         name, *flags = spec.split("+")
-        if any(flag not in ("online", "offline", "unfused") for flag in flags):
-            raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs) "
-                             f"or +unfused (prefill chunks in passes of their own)")
+        if any(flag not in ("online", "offline", "unfused", "nopassfit") for flag in flags):
+            raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
+                             f"+unfused (prefill chunks in passes of their own) or +nopassfit (no pass fit)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -92,8 +96,9 @@ class Arm:
             from dspark.calibration.online import OnlineCalibrator
 
             calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter))
-        self.engine = Engine(self.target, drafter, scheduler, cost, EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags),
-                             calibrator)
+        config = EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags,
+                              pass_fit="nopassfit" not in flags)
+        self.engine = Engine(self.target, drafter, scheduler, cost, config, calibrator)
         self.concurrency, self.temperature, self.ignore_eos = concurrency, temperature, ignore_eos
         self.steps: list = []  # the StepInfo of every decoding round served (`accounting`)
         self.lengths = argparse.Namespace(max_tokens=max_tokens, length_spread=length_spread)
@@ -174,10 +179,13 @@ def main() -> int:
     ap.add_argument("--seed-offset", type=int, default=0, help="added to every request's seed (another sample)")
     ap.add_argument("--profile", default="benchmarks/results/serving/profile_cpu_epyc.json")
     ap.add_argument("--online-calibration", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=None, help="write the report here (and its JSON beside it)")
     args = ap.parse_args()
     if len(args.arms) < 2 or args.blocks < 2:
         ap.error("need two arms or more and two blocks or more")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     arms = [Arm(spec, args.drafter, args.concurrency, args.temperature, args.max_tokens, args.profile,
                 args.online_calibration, length_spread=args.length_spread, ignore_eos=args.ignore_eos)

@@ -66,6 +66,11 @@ class StepProfile:
     fingerprint: dict
     meta: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        context = self.meta.get("context_len", self.fingerprint.get("context_len"))
+        if context is not None:  # the table's rows held this many slots: `CostModel.set_context` prices others
+            self.cost.reference_slots = int(context)
+
     def to_dict(self) -> dict:
         """The JSON document `save` writes."""
         return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,

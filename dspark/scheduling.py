@@ -91,6 +91,11 @@ class CostModel:
     _scales: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, init=False, repr=False,
                                                                compare=False)
     _scales_at: int = field(default=-1, init=False, repr=False, compare=False)
+    #: cache slots per row the table was measured at (a profile's context length); None: steps are priced
+    #: whatever the context (`set_context` has no effect)
+    reference_slots: int | None = None
+    #: the context coming steps are priced at (`set_context`): seconds per query token per slot, slots per row
+    _context: tuple[float, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -164,6 +169,9 @@ class CostModel:
         saving = self.width_saving(batch, width)
         if saving:  # never below half the profiled width's cost: a slope extrapolated too far is not trusted
             out = np.maximum(out - saving, 0.5 * out)
+        context = self.context_seconds(np.asarray(tokens, dtype=np.float64))
+        if context is not None:  # a shorter context than the profile's saves at most half
+            out = np.maximum(out + context, 0.5 * out)
         return out + self.overhead.fixed(batch)
 
     def width_saving(self, batch: int, width: int | None) -> float:
@@ -220,7 +228,27 @@ class CostModel:
     def plain_cost(self, batch: int) -> float:
         """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
         b, factor = self._plain_key(batch)
-        return self.plain[b] * factor * self._scale(("p", b), "p") + self.overhead.fixed(batch)
+        out = self.plain[b] * factor * self._scale(("p", b), "p")
+        context = self.context_seconds(batch)
+        if context is not None:
+            out = max(out + float(context), 0.5 * out)
+        return out + self.overhead.fixed(batch)
+
+    def set_context(self, slot_seconds: float | None, slots: int | None) -> None:
+        """Price coming steps (and read measured ones) at `slots` cache slots per row, one query token's
+        attention costing `slot_seconds` per slot (`dspark.pass_fit`): a step of N query tokens costs
+        slot_seconds · N · (slots - reference_slots) more than its profiled cell. None for either: no term."""
+        ok = slot_seconds is not None and slots is not None and math.isfinite(slot_seconds) and slot_seconds >= 0
+        self._context = (float(slot_seconds), int(slots)) if ok else None
+
+    def context_seconds(self, tokens, slots: int | None = None):
+        """Seconds `tokens` query tokens (a number or an array) pay for attending over `slots` cache slots per
+        row (None: those of `set_context`) beyond the table's reference context (negative when fewer); None
+        without a reference context or a priced one."""
+        if self.reference_slots is None or self._context is None:
+            return None
+        per_slot, now = self._context
+        return per_slot * tokens * ((now if slots is None else slots) - self.reference_slots)
 
     def observe_overhead(self, seconds: float, batch: int, tokens: int, prefill_seconds: float = 0.0) -> None:
         """Fold one step's time outside its round (`prefill_seconds` of it prefilling new requests), with its
@@ -252,9 +280,11 @@ class CostModel:
         return mean + ((self._cell_log(parent, kind) if parent is not None else self._level) - parent_then)
 
     # -- online correction ----------------------------------------------------------------------------
-    def observe(self, batch: int, tokens: int, seconds: float, drafted: bool, width: int | None = None) -> None:
+    def observe(self, batch: int, tokens: int, seconds: float, drafted: bool, width: int | None = None,
+                slots: int | None = None) -> None:
         """Fold a measured step time into the model (a drafted step's, drafting `width` slots, first brought to
-        the profiled width by `width_saving`).
+        the profiled width by `width_saving`; one whose pass attended over `slots` cache slots per row, first
+        brought to the reference context by `context_seconds`).
 
         Exponentially forgetting means of log(measured / table), in a hierarchy: per cell (a drafted step of
         one batch row and profiled N, or a batch row's plain step), per batch row of drafted steps, per step
@@ -282,6 +312,9 @@ class CostModel:
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
+        context = self.context_seconds(tokens if drafted else batch, slots) if slots is not None else None
+        if context is not None:
+            seconds = max(seconds - context, 0.5 * seconds)
         if drafted:
             seconds += self.width_saving(batch, width)
             base, idx = self._base_many(batch, np.array([tokens]))

@@ -367,9 +367,9 @@ def recording_cost(layout):
     cost.seen = []
     observe = cost.observe
 
-    def record(batch, tokens, seconds, drafted, width=None):
+    def record(batch, tokens, seconds, drafted, width=None, slots=None):
         cost.seen.append((batch, tokens, seconds, drafted, width))
-        observe(batch, tokens, seconds, drafted, width)
+        observe(batch, tokens, seconds, drafted, width, slots)
 
     cost.observe = record
     return cost

@@ -57,6 +57,7 @@ from dspark.engine.rate_guard import RateGuard
 from dspark.engine.request import Request, RequestOutput, RoundStats
 from dspark.engine.survival import reads_q, survival_for
 from dspark.engine.text import TextStream
+from dspark.pass_fit import PassFit
 from dspark.sampling import BatchSampling, SamplingParams, make_generator
 from dspark.scheduling import CostModel, Scheduler, step_tokens
 from dspark.target import CausalLM, ForwardOutput
@@ -92,7 +93,9 @@ class StepInfo:
     pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone). draft_width: the
     slots the drafting call drafted per row (None when the round did not draft), which the cost model prices.
     expected_gain / backoff_left / gate_bias: an adaptive scheduler's state after the round
-    (`Scheduler.expected_gain`, `backoff_left`, `gate_bias`; None / 0 / None for the others).
+    (`Scheduler.expected_gain`, `backoff_left`, `gate_bias`; None / 0 / None for the others). chunk_seconds:
+    a fused round's estimated share of its prefill chunk, taken off before the cost model's online correction
+    sees the round (`dspark.pass_fit`; None when not fused or not fitted yet).
     """
 
     batch: int
@@ -123,6 +126,7 @@ class StepInfo:
     expected_gain: float | None = None
     backoff_left: int = 0
     gate_bias: float | None = None
+    chunk_seconds: float | None = None
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -180,7 +184,10 @@ class EngineConfig:
     drafter_sleep: with an adaptive scheduler and a drafter that reads target features, drop the drafter's
     per-request context while the scheduler is far into a back-off (`Scheduler.dormant`); see the module doc.
     fuse_prefill: feed a prefill chunk beside running requests in the round's own target pass where the
-    target packs (`CausalLM.packs`), instead of in a pass of its own.
+    target packs (`CausalLM.packs`), instead of in a pass of its own. pass_fit: with the online correction,
+    learn what target passes cost beyond the table (`dspark.pass_fit`): price each round at the cache's context,
+    and let the correction see rounds that fed a prefill chunk, less the chunk's fitted share. Off, the
+    correction sees unfused rounds only (under load, few) and every context costs as the profile's.
     """
 
     max_running: int = 64
@@ -195,6 +202,7 @@ class EngineConfig:
     rate_guard: bool = False
     drafter_sleep: bool = True
     fuse_prefill: bool = True
+    pass_fit: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk"):
@@ -225,6 +233,8 @@ class Engine:
             raise ValueError(f"scheduler {self.scheduler.spec!r} needs a cost model: run `dspark profile` or "
                              f"pass cost_model")
         self.cost_model = cost_model
+        if cost_model is not None:
+            cost_model.set_context(None, None)  # whatever context another engine priced it at
         self.layout = cost_model.layout if cost_model is not None else "padded"
         self.online_calibration = online_calibration
         self.eos = target.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
@@ -269,6 +279,7 @@ class Engine:
         self._blind: set[int] = set()  # requests without a drafter context: they verify no drafts
         self._warming: dict[int, int] = {}  # requests whose context started late (`join_late`): rounds left undrafted
         self.drafter_sleeps = 0  # times the drafter was put to sleep
+        self._pass_fit = PassFit()  # target passes beyond the table: the context's slots, a fused chunk's share
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, request: Request) -> None:
@@ -662,6 +673,9 @@ class Engine:
         target pass (`CausalLM.forward_with`), its rows joining once the round has committed."""
         start = time.perf_counter()
         device, sched = self.target.device, self.scheduler
+        if self.cost_model is not None and self.config.online_cost and self.config.pass_fit:
+            # price this round at the context its pass will attend over
+            self.cost_model.set_context(self._pass_fit.slot_seconds, int(self.target.valid.shape[1]))
         batch = self._round_inputs()
         drafted, faulted = self._wants_drafts(batch.budget), False
         block = self._propose(batch, outputs) if drafted else None
@@ -749,13 +763,22 @@ class Engine:
             sched.observe_own_work(schedule_seconds + time.perf_counter() - observe_start)
         seconds = time.perf_counter() - start
         tokens = step_tokens(lens, self.layout)
-        predicted = None
+        predicted = chunk = None
         if self.cost_model is not None:
             predicted = (self.cost_model.cost(len(rows), tokens, drafted_width) if drafted
                          else self.cost_model.plain_cost(len(rows)))
             predicted -= self.cost_model.overhead.fixed(len(rows))  # the round's own figure (overhead is outside it)
-            if self.config.online_cost and not faulted and side is None:  # a fused pass prices the chunk too
-                self.cost_model.observe(len(rows), tokens, seconds, drafted, drafted_width)
+            if self.config.online_cost and not faulted:
+                prompt_tokens = sum(len(c) for c in side) if side is not None else 0
+                self._pass_fit.observe(target_seconds, len(rows), tokens, kv_slots, prompt_tokens, side is not None)
+                measured = seconds
+                if side is not None and not self.config.pass_fit:
+                    measured = None
+                elif side is not None:  # a fused pass fed the chunk too: its share comes off once it is fitted
+                    chunk = self._pass_fit.chunk_seconds(prompt_tokens)
+                    measured = None if chunk is None else max(seconds - chunk, 0.5 * seconds)
+                if measured is not None:
+                    self.cost_model.observe(len(rows), tokens, measured, drafted, drafted_width, slots=kv_slots)
         if self._warming and not self._asleep:  # the drafter observed one more round of each late row
             for req in rows:
                 left = self._warming.get(req.seq)
@@ -777,7 +800,7 @@ class Engine:
                         blind=sum(req.seq in self._blind for req in rows) if self._blind else 0, planned=planned,
                         draft_width=drafted_width if drafted else None,
                         expected_gain=sched.expected_gain, backoff_left=sched.backoff_left,
-                        gate_bias=sched.gate_bias(len(rows)))
+                        gate_bias=sched.gate_bias(len(rows)), chunk_seconds=chunk)
         if side is not None:  # the prefilled rows join after the round (`rows` is the running list itself)
             self._prefilled(side, side_out, outputs)
             self._side_fed = True

@@ -41,6 +41,7 @@ def step_record(info: StepInfo) -> dict:
         "expected_gain": None if info.expected_gain is None else round(info.expected_gain, 4),
         "backoff_left": info.backoff_left,
         "gate_bias": None if info.gate_bias is None else round(info.gate_bias, 4),
+        "chunk_seconds": None if info.chunk_seconds is None else round(info.chunk_seconds, 6),
     }
 
 

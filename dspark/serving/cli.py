@@ -60,6 +60,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--no-online-calibration", action="store_true",
                    help="keep the drafter's offline calibration fixed (default: corrected online per workload)")
     s.add_argument("--no-online-cost", action="store_true", help="do not correct the step-cost model online")
+    s.add_argument("--pass-fit", action=argparse.BooleanOptionalAction, default=True,
+                   help="learn online what target passes cost beyond the profile (the cache's context, a fused "
+                        "prefill chunk's share) and price steps with it (default: on)")
     s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
                    help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
                         "says plain decoding is faster (default: off; the cost model decides)")
@@ -86,7 +89,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
                         online_cost=not args.no_online_cost, kv_budget_tokens=args.kv_budget_tokens,
                         rate_guard=args.rate_guard, drafter_sleep=args.drafter_sleep,
-                        fuse_prefill=args.fuse_prefill)
+                        fuse_prefill=args.fuse_prefill, pass_fit=args.pass_fit)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
