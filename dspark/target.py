@@ -10,6 +10,7 @@ always in token order, so attention sees exactly the row's accepted text.
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -113,6 +114,10 @@ class CausalLM:
         #: most slots a row may span (the padded cache holds batch × width); a pass that would widen the cache
         #: past it compacts first. None: no limit.
         self.max_width: int | None = None
+        #: compactions so far, and their measured seconds per cached slot (rows × slots before; exponentially
+        #: forgetting, None until one ran): what `compact_price` quotes
+        self.compactions = 0
+        self.compact_seconds_per_slot: float | None = None
         self.reset(0)
 
     # ----------------------------------------------------------------- properties
@@ -263,10 +268,30 @@ class CausalLM:
         fresh.reset(count)
         self.extend(fresh)
 
+    @property
+    def holes(self) -> int:
+        """Slots per row that compaction would drop: the cache's width past its longest row."""
+        return int(self.valid.shape[1]) - (int(self.lengths.max()) if self.batch_size else 0)
+
+    def compact_price(self) -> float | None:
+        """Seconds a compaction of the cache as it is would take, from the ones measured (None: none yet)."""
+        if self.compact_seconds_per_slot is None:
+            return None
+        return self.compact_seconds_per_slot * self.batch_size * int(self.valid.shape[1])
+
     def compact(self) -> None:
         """Gather every row's valid slots to the left and drop the slots no row needs."""
         if self.cache is None:
             return
+        start, slots = time.perf_counter(), self.batch_size * int(self.valid.shape[1])
+        self._compact()
+        self.compactions += 1
+        if slots > 0:
+            per_slot = (time.perf_counter() - start) / slots
+            last = self.compact_seconds_per_slot
+            self.compact_seconds_per_slot = per_slot if last is None else last + 0.3 * (per_slot - last)
+
+    def _compact(self) -> None:
         width = int(self.lengths.max()) if self.batch_size else 0
         # Valid slots first (stable, so token order is kept), then the rest.
         order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]

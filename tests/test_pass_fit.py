@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 import dspark
 from dspark.api import encode_prompt
@@ -160,3 +161,53 @@ def test_serve_switches_the_pass_fit_with_its_flag() -> None:
     parse = build_parser().parse_args
     assert engine_config(parse(["serve"])).pass_fit is True
     assert engine_config(parse(["serve", "--no-pass-fit"])).pass_fit is False
+
+
+@pytest.mark.parametrize("paid", [True, False])
+def test_the_cache_is_compacted_once_its_holes_cost_what_a_compaction_does(paid, bundled_target):
+    """Rent or buy: the attention the holes cost since the last compaction (s · N · holes per pass) against a
+    compaction's measured price. Drafted rounds leave holes; with the rent at the price the next round starts
+    on a compacted cache (and the rent is paid off), below it or without `paid_compaction` it does not; greedy
+    output stays the target's own either way."""
+    from dspark.decoding import decode
+    from dspark.drafters import NoDrafter
+
+    texts = [t for d in ("code", "prose") for t in load_eval_prompts(d, 2)]
+    prompts = [encode_prompt(bundled_target, t) for t in texts[:4]]
+    drafter = dspark.load_drafter("dspark", bundled_target)
+    engine = Engine(bundled_target, drafter, "fixed", config=EngineConfig(max_running=4, paid_compaction=paid))
+    requests = [engine.add(Request(p, SamplingParams(), max_tokens=24)) for p in prompts]
+    target = engine.target
+    while engine.has_work and target.holes < 8:
+        engine.step()
+    assert engine.has_work and target.holes >= 8  # drafted rounds left holes
+    target.compact_seconds_per_slot = 1e-9
+    price = target.compact_price()
+    engine._hole_rent = 0.5 * price  # below the price: the holes stay
+    before = target.compactions
+    engine._compact_if_paid()
+    assert target.compactions == before and target.holes >= 8
+    engine._hole_rent = price
+    engine._compact_if_paid()
+    if paid:
+        assert target.compactions == before + 1 and target.holes == 0 and engine._hole_rent == 0.0
+    else:
+        assert target.compactions == before and target.holes >= 8
+    while engine.has_work:
+        engine.step()
+    for req, prompt in zip(requests, prompts):
+        alone = decode(bundled_target, NoDrafter(), [prompt], max_new_tokens=24)[0].token_ids
+        assert req.output_ids == alone
+
+
+def test_a_compaction_is_timed_and_priced(bundled_target) -> None:
+    lm = bundled_target.empty_like()
+    assert lm.compact_price() is None and lm.compactions == 0
+    lm.reset(2)
+    lm.forward([[1, 2, 3, 4], [5, 6]])
+    assert lm.holes == 0  # row 1 is padded to row 0's width: padding, not holes
+    lm.forward([[7], [8, 9, 10]])
+    assert lm.holes == 2  # both rows hold 5 tokens across 7 slots
+    lm.compact()
+    assert lm.compactions == 1 and lm.holes == 0 and lm.compact_seconds_per_slot > 0
+    assert lm.compact_price() == pytest.approx(lm.compact_seconds_per_slot * 2 * lm.valid.shape[1])

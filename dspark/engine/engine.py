@@ -188,6 +188,10 @@ class EngineConfig:
     learn what target passes cost beyond the table (`dspark.pass_fit`): price each round at the cache's context,
     and let the correction see rounds that fed a prefill chunk, less the chunk's fitted share. Off, the
     correction sees unfused rounds only (under load, few) and every context costs as the profile's.
+    paid_compaction: compact the target's cache once the attention its holes (slots past the longest row:
+    rolled-back drafts, rows that left) cost since the last compaction reaches what a compaction is measured to
+    cost (rent or buy; the fitted seconds per query token per slot, `dspark.pass_fit`), besides the cache's own
+    rule (holes past max(64, longest / 2)).
     """
 
     max_running: int = 64
@@ -203,6 +207,7 @@ class EngineConfig:
     drafter_sleep: bool = True
     fuse_prefill: bool = True
     pass_fit: bool = True
+    paid_compaction: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk"):
@@ -280,6 +285,8 @@ class Engine:
         self._warming: dict[int, int] = {}  # requests whose context started late (`join_late`): rounds left undrafted
         self.drafter_sleeps = 0  # times the drafter was put to sleep
         self._pass_fit = PassFit()  # target passes beyond the table: the context's slots, a fused chunk's share
+        self._hole_rent = 0.0  # seconds of attention the cache's holes cost since its last compaction
+        self._compactions_seen = target.compactions
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, request: Request) -> None:
@@ -673,6 +680,7 @@ class Engine:
         target pass (`CausalLM.forward_with`), its rows joining once the round has committed."""
         start = time.perf_counter()
         device, sched = self.target.device, self.scheduler
+        self._compact_if_paid()
         if self.cost_model is not None and self.config.online_cost and self.config.pass_fit:
             # price this round at the context its pass will attend over
             self.cost_model.set_context(self._pass_fit.slot_seconds, int(self.target.valid.shape[1]))
@@ -763,14 +771,17 @@ class Engine:
             sched.observe_own_work(schedule_seconds + time.perf_counter() - observe_start)
         seconds = time.perf_counter() - start
         tokens = step_tokens(lens, self.layout)
+        prompt_tokens = sum(len(c) for c in side) if side is not None else 0
+        self._pass_fit.observe(target_seconds, len(rows), tokens, kv_slots, prompt_tokens, side is not None)
+        per_slot = self._pass_fit.slot_seconds
+        if per_slot is not None:  # what the holes cost this pass's queries
+            self._hole_rent += per_slot * tokens * max(0, kv_slots - int(base_len.max()))
         predicted = chunk = None
         if self.cost_model is not None:
             predicted = (self.cost_model.cost(len(rows), tokens, drafted_width) if drafted
                          else self.cost_model.plain_cost(len(rows)))
             predicted -= self.cost_model.overhead.fixed(len(rows))  # the round's own figure (overhead is outside it)
             if self.config.online_cost and not faulted:
-                prompt_tokens = sum(len(c) for c in side) if side is not None else 0
-                self._pass_fit.observe(target_seconds, len(rows), tokens, kv_slots, prompt_tokens, side is not None)
                 measured = seconds
                 if side is not None and not self.config.pass_fit:
                     measured = None
@@ -805,6 +816,19 @@ class Engine:
             self._prefilled(side, side_out, outputs)
             self._side_fed = True
         return info
+
+    def _compact_if_paid(self) -> None:
+        """Compact the target's cache once its holes have cost, since its last compaction, what a compaction is
+        measured to cost (`EngineConfig.paid_compaction`)."""
+        target = self.target
+        if target.compactions != self._compactions_seen:  # it compacted meanwhile (its own rule, a KV limit)
+            self._hole_rent, self._compactions_seen = 0.0, target.compactions
+        if not self.config.paid_compaction or target.holes <= 0:
+            return
+        price = target.compact_price()
+        if price is not None and self._hole_rent >= price:
+            target.compact()
+            self._hole_rent, self._compactions_seen = 0.0, target.compactions
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         return (req.stop_token_ids or frozenset()) | (frozenset() if req.ignore_eos else self.eos)

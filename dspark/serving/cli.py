@@ -63,6 +63,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--pass-fit", action=argparse.BooleanOptionalAction, default=True,
                    help="learn online what target passes cost beyond the profile (the cache's context, a fused "
                         "prefill chunk's share) and price steps with it (default: on)")
+    s.add_argument("--paid-compaction", action=argparse.BooleanOptionalAction, default=True,
+                   help="compact the KV cache once its holes have cost the attention a compaction costs (rent or "
+                        "buy), besides when they pass half its longest row (default: on)")
     s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
                    help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
                         "says plain decoding is faster (default: off; the cost model decides)")
@@ -89,7 +92,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_running=args.max_running, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
                         online_cost=not args.no_online_cost, kv_budget_tokens=args.kv_budget_tokens,
                         rate_guard=args.rate_guard, drafter_sleep=args.drafter_sleep,
-                        fuse_prefill=args.fuse_prefill, pass_fit=args.pass_fit)
+                        fuse_prefill=args.fuse_prefill, pass_fit=args.pass_fit,
+                        paid_compaction=args.paid_compaction)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
