@@ -19,8 +19,8 @@ concurrency while it drains, the same for every arm. `--online-calibration` give
 online calibrator `dspark serve` runs with (an arm's `+online` / `+offline` suffix overrides it,
 so one run can compare both; `+unfused` runs every prefill chunk in a pass of its own instead of in the
 round's, `EngineConfig.fuse_prefill`; `+nopassfit` prices every step at the profile's context and keeps
-fused rounds out of the online correction, `EngineConfig.pass_fit`; `+lazycompact` compacts the cache only
-by its own rule, `EngineConfig.paid_compaction`); `--warmup` blocks run first and are not
+fused rounds out of the online correction, `EngineConfig.pass_fit`; `+paidcompact` also compacts the cache
+once its holes cost what a compaction does, `EngineConfig.paid_compaction`); `--warmup` blocks run first and are not
 counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
@@ -81,10 +81,10 @@ class Arm:
         ignore_eos: every request generates its whole length, past the target's EOS."""
         self.spec = spec
         name, *flags = spec.split("+")
-        if any(flag not in ("online", "offline", "unfused", "nopassfit", "lazycompact") for flag in flags):
+        if any(flag not in ("online", "offline", "unfused", "nopassfit", "paidcompact") for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit) or "
-                             f"+lazycompact (no paid compaction)")
+                             f"+paidcompact (paid compaction)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -99,7 +99,7 @@ class Arm:
 
             calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter))
         config = EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags,
-                              pass_fit="nopassfit" not in flags, paid_compaction="lazycompact" not in flags)
+                              pass_fit="nopassfit" not in flags, paid_compaction="paidcompact" in flags)
         self.engine = Engine(self.target, drafter, scheduler, cost, config, calibrator)
         self.concurrency, self.temperature, self.ignore_eos = concurrency, temperature, ignore_eos
         self.steps: list = []  # the StepInfo of every decoding round served (`accounting`)

@@ -161,6 +161,8 @@ def test_serve_switches_the_pass_fit_with_its_flag() -> None:
     parse = build_parser().parse_args
     assert engine_config(parse(["serve"])).pass_fit is True
     assert engine_config(parse(["serve", "--no-pass-fit"])).pass_fit is False
+    assert engine_config(parse(["serve"])).paid_compaction is False
+    assert engine_config(parse(["serve", "--paid-compaction"])).paid_compaction is True
 
 
 @pytest.mark.parametrize("paid", [True, False])

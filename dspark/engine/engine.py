@@ -191,7 +191,8 @@ class EngineConfig:
     paid_compaction: compact the target's cache once the attention its holes (slots past the longest row:
     rolled-back drafts, rows that left) cost since the last compaction reaches what a compaction is measured to
     cost (rent or buy; the fitted seconds per query token per slot, `dspark.pass_fit`), besides the cache's own
-    rule (holes past max(64, longest / 2)).
+    rule (holes past max(64, longest / 2)). Off by default: it cuts the slots rows attend over, but served and
+    paired runs left its effect on throughput unsettled (benchmarks/results/serving/paid_compaction/).
     """
 
     max_running: int = 64
@@ -207,7 +208,7 @@ class EngineConfig:
     drafter_sleep: bool = True
     fuse_prefill: bool = True
     pass_fit: bool = True
-    paid_compaction: bool = True
+    paid_compaction: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk"):

@@ -63,9 +63,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--pass-fit", action=argparse.BooleanOptionalAction, default=True,
                    help="learn online what target passes cost beyond the profile (the cache's context, a fused "
                         "prefill chunk's share) and price steps with it (default: on)")
-    s.add_argument("--paid-compaction", action=argparse.BooleanOptionalAction, default=True,
+    s.add_argument("--paid-compaction", action=argparse.BooleanOptionalAction, default=False,
                    help="compact the KV cache once its holes have cost the attention a compaction costs (rent or "
-                        "buy), besides when they pass half its longest row (default: on)")
+                        "buy), besides when they pass half its longest row (default: off)")
     s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
                    help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
                         "says plain decoding is faster (default: off; the cost model decides)")
