@@ -8,7 +8,8 @@
 The script starts one `dspark serve --scheduler ARM` per arm (same target, same drafter everywhere, except that
 the engine of the `none` arm keeps no drafter, as a server without speculation would; each
 its own process and port; an idle server takes no CPU) and then, per repeat, temperature and concurrency,
-drives the arms in turn (so drifts of the machine fall on every arm alike) with C clients, each sending
+drives the arms in turn (so drifts of the machine fall on every arm alike; the order reverses every other
+repeat, so an arm's place in it does not favour it either) with C clients, each sending
 streaming chat completions back to back (a closed loop) over the bundled held-out prompts with the official
 `openai` async client (one Python process, one thread: on 2 cores a multi-process load generator would take
 the server's CPU; `benchmarks/aiperf_crosscheck.py` cross-checks one cell against NVIDIA's aiperf). A request
@@ -244,8 +245,8 @@ def run(args: argparse.Namespace) -> dict:
     results["machine"] = machine()
     done = {(c["arm"], c["temperature"], c["concurrency"], c["repeat"]) for c in results["cells"]}
     todo = [(r, t, c, arm) for r in range(args.repeats) for t in args.temperatures for c in args.concurrency
-            for arm in args.arms if (arm, t, c, r) not in done]
-    arms = list(dict.fromkeys(arm for *_, arm in todo))
+            for arm in (args.arms if r % 2 == 0 else args.arms[::-1]) if (arm, t, c, r) not in done]
+    arms = [arm for arm in args.arms if any(a == arm for *_, a in todo)]
     bases = {arm: f"http://127.0.0.1:{args.port + i}" for i, arm in enumerate(arms)}
     logs = {arm: out / f"server_{arm.replace(':', '_')}.log" for arm in arms}
     procs: dict[str, subprocess.Popen] = {}
