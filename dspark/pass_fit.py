@@ -14,11 +14,9 @@ Two things the profile (measured on rows of one context length, each pass its ow
 
 The passes' seconds are fitted by exponentially forgetting least squares against what a pass computes: a fixed
 part, the running rows B, the round's query tokens N (the cost model's layout), their attention over the slots
-(N·S: per query; B·S: per row, its keys and values read once a pass whatever its queries, which is about half a
-plain step's attention at 32 clients, `benchmarks/results/serving/t1_c32_modes/like_for_like.txt`), the chunk's
-prompt tokens P, and whether it was fused (a packed pass: its own fixed part). The N·S and B·S slopes price the
-context (`CostModel.set_context`); P's slope is the chunk's share, which the engine takes off a fused round
-before the cost model's correction sees it (benchmarks/results/serving/pass_fit/).
+(N·S), the chunk's prompt tokens P, and whether it was fused (a packed pass: its own fixed part). The N·S slope
+prices the context (`CostModel.set_context`); P's slope is the chunk's share, which the engine takes off a fused
+round before the cost model's correction sees it (benchmarks/results/serving/pass_fit/).
 """
 from __future__ import annotations
 
@@ -28,29 +26,26 @@ import numpy as np
 
 # feature scales that keep the normal equations well conditioned: a loaded step's rows, query tokens, query ×
 # slot pairs and prompt tokens are each about 1 after scaling
-_SCALES = np.array([1.0, 64.0, 512.0, 512.0 * 512.0, 64.0 * 512.0, 256.0, 1.0])
-_SLOTS, _ROW_SLOTS, _CHUNK = 3, 4, 5  # indices of N·S, B·S and P
+_SCALES = np.array([1.0, 64.0, 512.0, 512.0 * 512.0, 256.0, 1.0])
+_SLOTS, _CHUNK = 3, 4  # indices of N·S and P
 
 
 class PassFit:
-    """Online fit of target passes: seconds ≈ f + a·B + n·N + s·N·S + r·B·S + p·P + u·fused (s, r, p ≥ 0
-    when read).
+    """Online fit of target passes: seconds ≈ f + a·B + n·N + s·N·S + p·P + u·fused (s, p ≥ 0 when read).
 
-    `slot_seconds` = s and `row_slot_seconds` = r, each None until `min_steps` passes whose N·S (B·S) varied
-    (relative to its mean) were seen; `chunk_seconds(P)` = p·P, or None until `min_steps` fused passes with
-    chunks of differing sizes.
+    `slot_seconds` = s, or None until `min_steps` passes whose N·S varied (relative to its mean) were seen;
+    `chunk_seconds(P)` = p·P, or None until `min_steps` fused passes with chunks of differing sizes.
     """
 
-    def __init__(self, alpha: float = 0.01, min_steps: int = 16, ridge: float = 1e-6) -> None:
+    def __init__(self, alpha: float = 0.02, min_steps: int = 16, ridge: float = 1e-3) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"pass fit alpha must lie in (0, 1], got {alpha}")
         self.alpha, self.min_steps, self.ridge = float(alpha), int(min_steps), float(ridge)
         self.steps = self.fused_steps = 0
         self._coef: np.ndarray | None = None
-        self._xx = np.zeros((len(_SCALES), len(_SCALES)))
-        self._xy = np.zeros(len(_SCALES))
-        # forgetting sums of weight, x, x² of the features whose slopes are read
-        self._spread = {_SLOTS: [0.0, 0.0, 0.0], _ROW_SLOTS: [0.0, 0.0, 0.0], _CHUNK: [0.0, 0.0, 0.0]}
+        self._xx = np.zeros((6, 6))
+        self._xy = np.zeros(6)
+        self._spread = {_SLOTS: [0.0, 0.0, 0.0], _CHUNK: [0.0, 0.0, 0.0]}  # forgetting sums of weight, x, x²
 
     def observe(self, seconds: float, batch: int, tokens: int, slots: int, prompt_tokens: int = 0,
                 fused: bool = False) -> None:
@@ -59,8 +54,7 @@ class PassFit:
         if not (math.isfinite(seconds) and seconds > 0) or batch < 1 or tokens < 1 or slots < 0:
             return
         fused = bool(fused and prompt_tokens > 0)
-        x = np.array([1.0, batch, tokens, tokens * slots, batch * slots, prompt_tokens if fused else 0.0,
-                      float(fused)]) / _SCALES
+        x = np.array([1.0, batch, tokens, tokens * slots, prompt_tokens if fused else 0.0, float(fused)]) / _SCALES
         keep = 1.0 - self.alpha
         self._xx = keep * self._xx + np.outer(x, x)
         self._xy = keep * self._xy + x * seconds
@@ -90,14 +84,6 @@ class PassFit:
         if self._coef is None or self.steps < self.min_steps or not self._varied(_SLOTS):
             return None
         return max(0.0, float(self._coef[_SLOTS]))
-
-    @property
-    def row_slot_seconds(self) -> float | None:
-        """Seconds one row adds per cache slot whatever its queries (reading its keys and values once per
-        pass; None: not fitted yet)."""
-        if self._coef is None or self.steps < self.min_steps or not self._varied(_ROW_SLOTS):
-            return None
-        return max(0.0, float(self._coef[_ROW_SLOTS]))
 
     def chunk_seconds(self, prompt_tokens: int) -> float | None:
         """A fused chunk's share of its pass, feeding `prompt_tokens` prompt tokens (None: not fitted yet)."""

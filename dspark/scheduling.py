@@ -94,9 +94,8 @@ class CostModel:
     #: cache slots per row the table was measured at (a profile's context length); None: steps are priced
     #: whatever the context (`set_context` has no effect)
     reference_slots: int | None = None
-    #: the context coming steps are priced at (`set_context`): seconds per query token per slot, slots per row,
-    #: seconds per row per slot
-    _context: tuple[float, int, float] | None = field(default=None, init=False, repr=False, compare=False)
+    #: the context coming steps are priced at (`set_context`): seconds per query token per slot, slots per row
+    _context: tuple[float, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -170,7 +169,7 @@ class CostModel:
         saving = self.width_saving(batch, width)
         if saving:  # never below half the profiled width's cost: a slope extrapolated too far is not trusted
             out = np.maximum(out - saving, 0.5 * out)
-        context = self.context_seconds(np.asarray(tokens, dtype=np.float64), rows=batch)
+        context = self.context_seconds(np.asarray(tokens, dtype=np.float64))
         if context is not None:  # a shorter context than the profile's saves at most half
             out = np.maximum(out + context, 0.5 * out)
         return out + self.overhead.fixed(batch)
@@ -230,30 +229,26 @@ class CostModel:
         """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
         b, factor = self._plain_key(batch)
         out = self.plain[b] * factor * self._scale(("p", b), "p")
-        context = self.context_seconds(batch, rows=batch)
+        context = self.context_seconds(batch)
         if context is not None:
             out = max(out + float(context), 0.5 * out)
         return out + self.overhead.fixed(batch)
 
-    def set_context(self, slot_seconds: float | None, slots: int | None, row_slot_seconds: float | None = 0.0
-                    ) -> None:
+    def set_context(self, slot_seconds: float | None, slots: int | None) -> None:
         """Price coming steps (and read measured ones) at `slots` cache slots per row, one query token's
-        attention costing `slot_seconds` per slot and one row's `row_slot_seconds` per slot (`dspark.pass_fit`):
-        a step of B rows and N query tokens costs (slot_seconds · N + row_slot_seconds · B) · (slots -
-        reference_slots) more than its profiled cell. None for slots or slot_seconds: no term."""
-        row = 0.0 if row_slot_seconds is None else row_slot_seconds
-        ok = (slot_seconds is not None and slots is not None and math.isfinite(slot_seconds) and slot_seconds >= 0
-              and math.isfinite(row) and row >= 0)
-        self._context = (float(slot_seconds), int(slots), float(row)) if ok else None
+        attention costing `slot_seconds` per slot (`dspark.pass_fit`): a step of N query tokens costs
+        slot_seconds · N · (slots - reference_slots) more than its profiled cell. None for either: no term."""
+        ok = slot_seconds is not None and slots is not None and math.isfinite(slot_seconds) and slot_seconds >= 0
+        self._context = (float(slot_seconds), int(slots)) if ok else None
 
-    def context_seconds(self, tokens, slots: int | None = None, rows: int = 0):
-        """Seconds a pass of `rows` rows and `tokens` query tokens (a number or an array) pays for attending
-        over `slots` cache slots per row (None: those of `set_context`) beyond the table's reference context
-        (negative when fewer); None without a reference context or a priced one."""
+    def context_seconds(self, tokens, slots: int | None = None):
+        """Seconds `tokens` query tokens (a number or an array) pay for attending over `slots` cache slots per
+        row (None: those of `set_context`) beyond the table's reference context (negative when fewer); None
+        without a reference context or a priced one."""
         if self.reference_slots is None or self._context is None:
             return None
-        per_slot, now, per_row_slot = self._context
-        return (per_slot * tokens + per_row_slot * rows) * ((now if slots is None else slots) - self.reference_slots)
+        per_slot, now = self._context
+        return per_slot * tokens * ((now if slots is None else slots) - self.reference_slots)
 
     def observe_overhead(self, seconds: float, batch: int, tokens: int, prefill_seconds: float = 0.0) -> None:
         """Fold one step's time outside its round (`prefill_seconds` of it prefilling new requests), with its
@@ -317,7 +312,7 @@ class CostModel:
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
-        context = self.context_seconds(tokens if drafted else batch, slots, batch) if slots is not None else None
+        context = self.context_seconds(tokens if drafted else batch, slots) if slots is not None else None
         if context is not None:
             seconds = max(seconds - context, 0.5 * seconds)
         if drafted:

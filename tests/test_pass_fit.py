@@ -16,8 +16,7 @@ from dspark.pass_fit import PassFit
 from dspark.sampling import SamplingParams
 from dspark.scheduling import uniform_cost_model
 
-SLOT, ROW_SLOT, CHUNK = 4e-7, 4e-7, 1.7e-4  # the law's seconds per query token per slot, per row per slot, and
-# per prompt token
+SLOT, CHUNK = 4e-7, 1.7e-4  # the law's seconds per query token per slot, and per prompt token
 
 
 def loaded_pass(rng: np.random.Generator, fused: bool | None = None) -> tuple[float, int, int, int, int, bool]:
@@ -27,8 +26,7 @@ def loaded_pass(rng: np.random.Generator, fused: bool | None = None) -> tuple[fl
     slots = int(rng.integers(100, 600))
     fused = bool(rng.integers(0, 2)) if fused is None else fused
     prompt = int(rng.integers(8, 257)) if fused else 0
-    seconds = (0.003 + 2e-4 * batch + 8e-5 * tokens + SLOT * tokens * slots + ROW_SLOT * batch * slots
-               + CHUNK * prompt + 0.002 * fused)
+    seconds = 0.003 + 2e-4 * batch + 8e-5 * tokens + SLOT * tokens * slots + CHUNK * prompt + 0.002 * fused
     return seconds * float(rng.normal(1.0, 0.05)), batch, tokens, slots, prompt, fused
 
 
@@ -38,8 +36,6 @@ def test_the_context_and_chunk_slopes_are_recovered_from_noisy_passes() -> None:
     for _ in range(400):
         fit.observe(*loaded_pass(rng))
     assert fit.slot_seconds == pytest.approx(SLOT, rel=0.1)
-    # B·S moves with N·S (a pass's queries are its rows times its width): its slope is the less certain one
-    assert fit.row_slot_seconds == pytest.approx(ROW_SLOT, rel=0.4)
     assert fit.chunk_seconds(200) == pytest.approx(200 * CHUNK, rel=0.1)
 
 
@@ -53,7 +49,6 @@ def test_the_fit_follows_a_change_of_machine_speed() -> None:
         seconds, *rest = loaded_pass(rng)
         fit.observe(2 * seconds, *rest)
     assert fit.slot_seconds == pytest.approx(2 * SLOT, rel=0.15)
-    assert fit.row_slot_seconds == pytest.approx(2 * ROW_SLOT, rel=0.4)
     assert fit.chunk_seconds(100) == pytest.approx(2 * 100 * CHUNK, rel=0.15)
 
 
@@ -74,7 +69,7 @@ def test_nothing_is_read_until_it_has_varied() -> None:
     same = PassFit(min_steps=16)
     for _ in range(40):  # one batch, one width, one context: N·S never varies
         same.observe(0.05, 64, 256, 300, 0, False)
-    assert same.slot_seconds is None and same.row_slot_seconds is None
+    assert same.slot_seconds is None
 
 
 def test_bad_measurements_are_ignored() -> None:
@@ -111,9 +106,6 @@ def test_the_cost_model_prices_and_reads_steps_at_their_context() -> None:
     for _ in range(5):
         cost.observe(64, 448, priced, True, slots=400)
     assert cost.cost(64, 448) == pytest.approx(priced)
-    cost.set_context(1e-7, 400, 2e-7)  # each row's reads too: B·S, the same for drafted and plain steps
-    assert cost.cost(64, 448) == pytest.approx(base_d + (1e-7 * 448 + 2e-7 * 64) * 144)
-    assert cost.plain_cost(64) == pytest.approx(base_p + (1e-7 * 64 + 2e-7 * 64) * 144)
     cost.set_context(None, 400)
     assert cost.cost(64, 448) == pytest.approx(base_d)
 
@@ -134,8 +126,7 @@ def test_fused_rounds_reach_the_online_correction_less_their_chunk(fit, bundled_
     observe, set_context = cost.observe, cost.set_context
     cost.observe = lambda batch, tokens, seconds, drafted, width=None, slots=None: (
         observed.append((batch, tokens, seconds, drafted, slots)), observe(batch, tokens, seconds, drafted, width, slots))
-    cost.set_context = lambda per_slot, slots, per_row_slot=0.0: (
-        contexts.append(per_slot), set_context(per_slot, slots, per_row_slot))
+    cost.set_context = lambda per_slot, slots: (contexts.append(per_slot), set_context(per_slot, slots))
     engine.on_step = infos.append
     pending = [Request(p, SamplingParams(), max_tokens=12) for p in prompts]
     step = 0

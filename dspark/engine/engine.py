@@ -684,8 +684,7 @@ class Engine:
         self._compact_if_paid()
         if self.cost_model is not None and self.config.online_cost and self.config.pass_fit:
             # price this round at the context its pass will attend over
-            self.cost_model.set_context(self._pass_fit.slot_seconds, int(self.target.valid.shape[1]),
-                                        self._pass_fit.row_slot_seconds)
+            self.cost_model.set_context(self._pass_fit.slot_seconds, int(self.target.valid.shape[1]))
         batch = self._round_inputs()
         drafted, faulted = self._wants_drafts(batch.budget), False
         block = self._propose(batch, outputs) if drafted else None
@@ -775,10 +774,9 @@ class Engine:
         tokens = step_tokens(lens, self.layout)
         prompt_tokens = sum(len(c) for c in side) if side is not None else 0
         self._pass_fit.observe(target_seconds, len(rows), tokens, kv_slots, prompt_tokens, side is not None)
-        per_slot, per_row_slot = self._pass_fit.slot_seconds, self._pass_fit.row_slot_seconds
-        if per_slot is not None:  # what the holes cost this pass (its queries, and its rows' reads)
-            self._hole_rent += ((per_slot * tokens + (per_row_slot or 0.0) * len(rows))
-                                * max(0, kv_slots - int(base_len.max())))
+        per_slot = self._pass_fit.slot_seconds
+        if per_slot is not None:  # what the holes cost this pass's queries
+            self._hole_rent += per_slot * tokens * max(0, kv_slots - int(base_len.max()))
         predicted = chunk = None
         if self.cost_model is not None:
             predicted = (self.cost_model.cost(len(rows), tokens, drafted_width) if drafted
