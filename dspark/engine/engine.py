@@ -89,8 +89,9 @@ class StepInfo:
     asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
     context (admitted or running while it slept, until it wakes and joins them late), which verify no drafts.
     planned: the scheduler computed survivals and planned the round (an adaptive one skips planning where it
-    does not pay, `plan_pays`, and then verifies every available draft). fused_prefill: the step's prefill chunk went through the round's target
-    pass (its cost is in seconds and target_seconds; prefill_seconds is then the join alone). draft_width: the
+    does not pay, `plan_pays`, and then verifies every available draft). fused_prefill: the step's prefill chunk
+    went through the round's target pass (its cost is in seconds and target_seconds; prefill_seconds is then the
+    join alone). draft_width: the
     slots the drafting call drafted per row (None when the round did not draft), which the cost model prices.
     expected_gain / backoff_left / gate_bias: an adaptive scheduler's state after the round
     (`Scheduler.expected_gain`, `backoff_left`, `gate_bias`; None / 0 / None for the others). chunk_seconds:
@@ -286,6 +287,9 @@ class Engine:
         self._warming: dict[int, int] = {}  # requests whose context started late (`join_late`): rounds left undrafted
         self.drafter_sleeps = 0  # times the drafter was put to sleep
         self._pass_fit = PassFit()  # target passes beyond the table: the context's slots, a fused chunk's share
+        # fitted only where read: the cost model's online correction with the pass fit, or paid compaction
+        self._fits_passes = bool(self.config.paid_compaction or (
+            cost_model is not None and self.config.online_cost and self.config.pass_fit))
         self._hole_rent = 0.0  # seconds of attention the cache's holes cost since its last compaction
         self._compactions_seen = target.compactions
 
@@ -773,8 +777,9 @@ class Engine:
         seconds = time.perf_counter() - start
         tokens = step_tokens(lens, self.layout)
         prompt_tokens = sum(len(c) for c in side) if side is not None else 0
-        self._pass_fit.observe(target_seconds, len(rows), tokens, kv_slots, prompt_tokens, side is not None)
-        per_slot = self._pass_fit.slot_seconds
+        if self._fits_passes:
+            self._pass_fit.observe(target_seconds, len(rows), tokens, kv_slots, prompt_tokens, side is not None)
+        per_slot = self._pass_fit.slot_seconds if self.config.paid_compaction else None
         if per_slot is not None:  # what the holes cost this pass's queries
             self._hole_rent += per_slot * tokens * max(0, kv_slots - int(base_len.max()))
         predicted = chunk = None
