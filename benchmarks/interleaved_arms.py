@@ -20,7 +20,8 @@ online calibrator `dspark serve` runs with (an arm's `+online` / `+offline` suff
 so one run can compare both; `+unfused` runs every prefill chunk in a pass of its own instead of in the
 round's, `EngineConfig.fuse_prefill`; `+nopassfit` prices every step at the profile's context and keeps
 fused rounds out of the online correction, `EngineConfig.pass_fit`; `+paidcompact` also compacts the cache
-once its holes cost what a compaction does, `EngineConfig.paid_compaction`); `--warmup` blocks run first and are not
+once its holes cost what a compaction does, `EngineConfig.paid_compaction`; `+unfolded` runs attention without
+folding grouped query heads, `dspark.attention.unfolded`); `--warmup` blocks run first and are not
 counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
@@ -43,6 +44,7 @@ import math
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -52,6 +54,7 @@ from serve_sweep import request_length  # noqa: E402
 
 from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model
 from dspark.atomic import write_text_atomic
+from dspark.attention import unfolded
 from dspark.drafters.base import drafter_gamma
 from dspark.engine import Engine, EngineConfig, Request
 from dspark.evaluation.bench import load_eval_prompts
@@ -81,10 +84,11 @@ class Arm:
         ignore_eos: every request generates its whole length, past the target's EOS."""
         self.spec = spec
         name, *flags = spec.split("+")
-        if any(flag not in ("online", "offline", "unfused", "nopassfit", "paidcompact") for flag in flags):
+        known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded")
+        if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
-                             f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit) or "
-                             f"+paidcompact (paid compaction)")
+                             f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
+                             f"+paidcompact (paid compaction) or +unfolded (attention without folded query heads)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -102,6 +106,7 @@ class Arm:
                               pass_fit="nopassfit" not in flags, paid_compaction="paidcompact" in flags)
         self.engine = Engine(self.target, drafter, scheduler, cost, config, calibrator)
         self.concurrency, self.temperature, self.ignore_eos = concurrency, temperature, ignore_eos
+        self.unfolded = "unfolded" in flags
         self.steps: list = []  # the StepInfo of every decoding round served (`accounting`)
         self.lengths = argparse.Namespace(max_tokens=max_tokens, length_spread=length_spread)
 
@@ -127,13 +132,14 @@ class Arm:
 
         while pending and running < self.concurrency:
             issue()
-        while running:
-            for out in self.engine.step():
-                tokens += len(out.token_ids)
-                if out.finished:
-                    running -= 1
-                    if pending:
-                        issue()
+        with unfolded() if self.unfolded else nullcontext():
+            while running:
+                for out in self.engine.step():
+                    tokens += len(out.token_ids)
+                    if out.finished:
+                        running -= 1
+                        if pending:
+                            issue()
         self.engine.on_step = chained
         return tokens, time.perf_counter() - start
 

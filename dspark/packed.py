@@ -27,6 +27,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from dspark.attention import folds, gqa_attention
+
 PACKED = "dspark_packed"
 
 
@@ -111,14 +113,29 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """`sdpa` attention; inside a packed call, each group's queries over its own cache, output in packed order."""
     run = _ACTIVE.get()
     if run is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     outs = []
     for g, q in zip(run.groups, run.split(query)):
         keys, values = g.keys[module.layer_idx]
-        out, _ = sdpa_attention_forward(module, q, keys, values, g.mask, dropout=dropout, scaling=scaling, **kwargs)
+        out, _ = _attention(module, q, keys, values, g.mask, dropout, scaling, **kwargs)
         outs.append(out.reshape(g.rows * g.width, *out.shape[2:])[g.index])  # [tokens, heads, d]
     return torch.cat(outs).unsqueeze(0), None
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask, dropout: float, scaling: float | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's `sdpa` attention, or the same with grouped query heads folded where that is faster
+    (`dspark.attention`); output [B, n, heads, d]."""
+    plain = (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+             or kwargs.get("sliding_window") is not None or kwargs.get("output_attentions", False)
+             or (attention_mask is not None and attention_mask.dtype != torch.bool)
+             or (attention_mask is None and query.shape[2] > 1)  # HF may rely on is_causal there
+             or not folds(query, key))
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = gqa_attention(query, key, value, attention_mask, scale=scaling, dropout=dropout)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def packed_mask(*args, **kwargs):

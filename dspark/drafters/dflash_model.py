@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dspark.attention import gqa_attention
+
 
 @dataclass
 class DFlashConfig:
@@ -214,7 +216,7 @@ class DraftAttention(nn.Module):
         k = torch.cat([ctx_k, bk], dim=2)
         v = torch.cat([ctx_v, bv], dim=2)
         mask = None if mask is None else mask.unsqueeze(1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h != kv)
+        out = gqa_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(r, g, h * hd))
 
 

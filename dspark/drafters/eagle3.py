@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dspark.attention import gqa_attention
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.dflash_model import DraftMLP, RMSNorm, RopeTable, project_qkv
 from dspark.kv_cache import HeadroomLayer
@@ -67,9 +68,7 @@ class Eagle3Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Output [R, q, d] of queries over keys/values with bool mask [R, q, T]."""
-        c = self.cfg
-        gqa = c.num_attention_heads != c.num_key_value_heads
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
+        out = gqa_attention(q, k, v, mask.unsqueeze(1))
         r, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
 
