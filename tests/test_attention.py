@@ -1,6 +1,10 @@
 """Grouped-query attention with folded query heads (`dspark.attention`): the same outputs as repeating the keys."""
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,3 +105,16 @@ def test_a_target_gives_the_same_logits_folded_and_unfolded(build):
         plain = run()
     for got, want in zip(folded, plain):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_fold_benchmark_reports_every_cell(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "attention_fold", Path(__file__).resolve().parent.parent / "benchmarks" / "attention_fold.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "fold.txt"
+    bench.main(["--rows", "2", "--slots", "60", "--queries", "1", "3", "--reps", "1", "--out", str(out)])
+    cells = json.loads(out.with_suffix(".json").read_text())["cells"]
+    assert [(c["queries"], c["kind"]) for c in cells] == [(q, k) for q in (1, 3) for k in ("ragged", "even", "attn")]
+    assert all(c["folded_ms"] > 0 and c["hf_ms"] > 0 for c in cells)
+    assert "HF/folded" in out.read_text()
