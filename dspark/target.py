@@ -434,39 +434,65 @@ class CausalLM:
     def _forward_packed(self, other: "CausalLM", new_tokens: Sequence[Sequence[int]],
                         other_tokens: Sequence[Sequence[int]], features: bool
                         ) -> tuple[ForwardOutput, ForwardOutput]:
-        device = self.device
-        layouts = [self._begin_pass(new_tokens), other._begin_pass(other_tokens)]
-        groups = []
-        for lm, lay in zip((self, other), layouts):
-            slots = lm.valid.shape[1] + lay.width
-            causal = torch.arange(slots, device=device).view(1, -1) \
-                <= (lm.valid.shape[1] + torch.arange(lay.width, device=device)).view(-1, 1)  # [width, slots]
-            mask = (lay.attn_mask.view(lm.batch_size, 1, 1, slots) & causal.view(1, 1, lay.width, slots))
-            groups.append(PackedGroup(lm.cache, lay.counts, lay.width, lay.new_valid.reshape(-1).nonzero().squeeze(1),
-                                      mask))
-        ids = torch.tensor([int(t) for toks in (new_tokens, other_tokens) for row in toks for t in row],
-                           dtype=torch.long, device=device).view(1, -1)
-        positions = torch.cat([lay.positions[lay.new_valid] for lay in layouts]).view(1, -1)
-        # logits at every token of this wrapper's rows and at the last new token of each of other's rows
-        ends = groups[0].tokens + torch.cumsum(layouts[1].counts, 0) - 1
-        keep = torch.cat([torch.arange(groups[0].tokens, device=device), ends[layouts[1].counts > 0]])
-        run = PackedPass(groups)
-        want = features and bool(self.feature_layers)
-        hooked = want and self._layers is not None
-        with run, capturing(self._layers, self.feature_layers) if hooked else nullcontext({}) as store:
-            out = self.model(input_ids=ids, position_ids=positions, cache=run, use_cache=True,
-                             output_hidden_states=want and not hooked, logits_to_keep=keep)
-        for lm, lay in zip((self, other), layouts):
-            lm._end_pass(lay)
-        logits = out.logits[0].float()
-        mine = groups[0].pad(logits[: groups[0].tokens])
-        theirs = logits.new_zeros(other.batch_size, 1, logits.shape[-1])
-        theirs[layouts[1].counts > 0, 0] = logits[groups[0].tokens :]
-        feats: list[torch.Tensor | None] = [None, None]
-        if want:
-            packed = self._features(out, store, hooked)[0]
-            feats = [groups[0].pad(packed[: groups[0].tokens]), groups[1].pad(packed[groups[0].tokens :])]
-        return ForwardOutput(mine, feats[0]), ForwardOutput(theirs, feats[1])
+        mine, theirs = forward_packed([self, other], [new_tokens, other_tokens], [False, True], features)
+        return mine, theirs
+
+
+@torch.no_grad()
+def forward_packed(lms: Sequence[CausalLM], tokens: Sequence[Sequence[Sequence[int]]], last_only: Sequence[bool],
+                   features: bool = False) -> list[ForwardOutput]:
+    """`lms[i].forward(tokens[i], features, last_logits_only=last_only[i])` for every wrapper, as one model call
+    (`dspark.packed`: the wrappers' tokens end to end, attention per wrapper over its own cache). The wrappers
+    must share one model that packs (`CausalLM.packs`); the first's feature layers are returned for all."""
+    lead = lms[0]
+    if any(lm.model is not lead.model for lm in lms):
+        raise ValueError("a packed call needs wrappers of the same model")
+    device = lead.device
+    layouts = [lm._begin_pass(toks) for lm, toks in zip(lms, tokens)]
+    groups = []
+    for lm, lay in zip(lms, layouts):
+        slots = lm.valid.shape[1] + lay.width
+        causal = torch.arange(slots, device=device).view(1, -1) \
+            <= (lm.valid.shape[1] + torch.arange(lay.width, device=device)).view(-1, 1)  # [width, slots]
+        mask = (lay.attn_mask.view(lm.batch_size, 1, 1, slots) & causal.view(1, 1, lay.width, slots))
+        groups.append(PackedGroup(lm.cache, lay.counts, lay.width, lay.new_valid.reshape(-1).nonzero().squeeze(1),
+                                  mask))
+    ids = torch.tensor([int(t) for toks in tokens for row in toks for t in row],
+                       dtype=torch.long, device=device).view(1, -1)
+    positions = torch.cat([lay.positions[lay.new_valid] for lay in layouts]).view(1, -1)
+    # logits at every token of a full wrapper's rows, at the last new token of each row of a last-only one
+    keep, start = [], 0
+    for g, lay, last in zip(groups, layouts, last_only):
+        if last:
+            ends = start + torch.cumsum(lay.counts, 0) - 1
+            keep.append(ends[lay.counts > 0])
+        else:
+            keep.append(torch.arange(start, start + g.tokens, device=device))
+        start += g.tokens
+    run = PackedPass(groups)
+    want = features and bool(lead.feature_layers)
+    hooked = want and lead._layers is not None
+    with run, capturing(lead._layers, lead.feature_layers) if hooked else nullcontext({}) as store:
+        out = lead.model(input_ids=ids, position_ids=positions, cache=run, use_cache=True,
+                         output_hidden_states=want and not hooked, logits_to_keep=torch.cat(keep))
+    for lm, lay in zip(lms, layouts):
+        lm._end_pass(lay)
+    logits = out.logits[0].float()
+    packed = lead._features(out, store, hooked)[0] if want else None
+    results, kept, start = [], 0, 0
+    for lm, g, lay, last in zip(lms, groups, layouts, last_only):
+        feats = g.pad(packed[start : start + g.tokens]) if want else None
+        if last:
+            n = int((lay.counts > 0).sum())
+            out_logits = logits.new_zeros(lm.batch_size, 1, logits.shape[-1])
+            out_logits[lay.counts > 0, 0] = logits[kept : kept + n]
+        else:
+            n = g.tokens
+            out_logits = g.pad(logits[kept : kept + n])
+        results.append(ForwardOutput(out_logits, feats))
+        kept += n
+        start += g.tokens
+    return results
 
 
 @dataclass

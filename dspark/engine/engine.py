@@ -18,6 +18,10 @@ Requests arrive (`add`) and leave (finish, `cancel`) at any time. Each `step()`:
    chunk) → batched verification → per-request commit and rollback → stop conditions → stream the
    committed tokens.
 
+The running rows' target caches are padded groups by length (`dspark.row_groups`, `EngineConfig.row_groups`):
+a long prompt gets a group of its own rather than widening every short row's attention; one model call still
+feeds every group and the prefill chunk.
+
 Faults stay with the requests they belong to. A drafting call that raises is retried row by row
 (`Drafter.propose_rows`, which leaves the drafter's state as it was): the rows that raise alone finish with
 finish_reason "error" (`request_errors`), the others decode this round without drafts; an error no single
@@ -58,6 +62,7 @@ from dspark.engine.request import Request, RequestOutput, RoundStats
 from dspark.engine.survival import reads_q, survival_for
 from dspark.engine.text import TextStream
 from dspark.pass_fit import PassFit
+from dspark.row_groups import RowGroups
 from dspark.sampling import BatchSampling, SamplingParams, make_generator
 from dspark.scheduling import CostModel, Scheduler, step_tokens
 from dspark.target import CausalLM, ForwardOutput
@@ -83,7 +88,7 @@ class StepInfo:
     was measured (online correction included; None without a cost model). started: perf_counter() when the step
     began (the gap to the previous step's end is time the engine thread spent outside `step`). kv_slots: the
     target cache's slots per row before the round's pass (what its attention spans: holes left by rolled-back
-    drafts and the rows' differing lengths included); kv_live: the tokens the rows hold (their lengths summed);
+    drafts and the rows' differing lengths included; averaged over rows where they are in several groups); kv_live: the tokens the rows hold (their lengths summed);
     join_seconds: the part of prefill_seconds spent moving finished prefills into the batch (target cache and
     drafter state). prefill_slots: the prefill pass's prefilling rows × its width (prefill_tokens plus padding).
     asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
@@ -115,7 +120,7 @@ class StepInfo:
     step_seconds: float = 0.0
     predicted_seconds: float | None = None
     started: float = 0.0
-    kv_slots: int = 0
+    kv_slots: float = 0.0
     kv_live: int = 0
     join_seconds: float = 0.0
     prefill_slots: int = 0
@@ -194,6 +199,8 @@ class EngineConfig:
     cost (rent or buy; the fitted seconds per query token per slot, `dspark.pass_fit`), besides the cache's own
     rule (holes past max(64, longest / 2)). Off by default: it cuts the slots rows attend over, but served and
     paired runs left its effect on throughput unsettled (benchmarks/results/serving/paid_compaction/).
+    row_groups: padded caches the running rows may be split over by length (`dspark.row_groups`: a long
+    prompt in a group of its own instead of widening every row); 1 keeps every row in one cache.
     """
 
     max_running: int = 64
@@ -210,9 +217,10 @@ class EngineConfig:
     fuse_prefill: bool = True
     pass_fit: bool = True
     paid_compaction: bool = False
+    row_groups: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_waiting", "prefill_chunk"):
+        for name in ("max_running", "max_waiting", "prefill_chunk", "row_groups"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         for name in ("token_budget", "kv_budget_tokens"):
@@ -250,8 +258,8 @@ class Engine:
         self.want_features = bool(drafter.feature_layers)
         if self.want_features and list(target.feature_layers) != list(drafter.feature_layers):
             target.set_feature_layers(drafter.feature_layers)
-        target.reset(0)
-        target.max_width = None  # set per admitted batch under a KV budget (another engine may have left one)
+        self.rows = RowGroups(target, self.config.row_groups)  # the running rows' caches (target is the first)
+        self.rows.max_width = None  # set per admitted batch under a KV budget (another engine may have left one)
         drafter.reset()
         calibration = getattr(drafter, "calibration", None)  # greedy peaks cost a pass over the vocabulary:
         drafter.report_peaks = self.config.record_signals or bool(  # only when recorded or read
@@ -291,7 +299,7 @@ class Engine:
         self._fits_passes = bool(self.config.paid_compaction or (
             cost_model is not None and self.config.online_cost and self.config.pass_fit))
         self._hole_rent = 0.0  # seconds of attention the cache's holes cost since its last compaction
-        self._compactions_seen = target.compactions
+        self._compactions_seen = self.rows.compactions
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, request: Request) -> None:
@@ -438,7 +446,7 @@ class Engine:
         """Under a KV budget, cap both caches' width at the longest admitted reservation."""
         if self.config.kv_budget_tokens is not None:
             width = self._widest() or None
-            self.target.max_width = width
+            self.rows.max_width = width
             self.prefill_lm.max_width = width
 
     def _drop_cancelled(self, outputs: list[RequestOutput]) -> None:
@@ -532,7 +540,7 @@ class Engine:
         nothing = torch.zeros(len(joining), 0, dtype=torch.long, device=logits.device)
         first = verify(first_logits, nothing, torch.zeros(len(joining), dtype=torch.long, device=logits.device), None,
                        BatchSampling.from_params(params, logits.device), [self._gens[req.seq] for req in joining])
-        self.target.extend(self.prefill_lm.take(done))
+        self.rows.extend(self.prefill_lm.take(done), [self._reservation(req) for req in joining])
         now = time.perf_counter()
         for req, tokens in zip(joining, first.tokens):
             req.rounds.append(RoundStats(0, 0, 0, None))  # the prefill pass committed one token
@@ -688,7 +696,7 @@ class Engine:
         self._compact_if_paid()
         if self.cost_model is not None and self.config.online_cost and self.config.pass_fit:
             # price this round at the context its pass will attend over
-            self.cost_model.set_context(self._pass_fit.slot_seconds, int(self.target.valid.shape[1]))
+            self.cost_model.set_context(self._pass_fit.slot_seconds, self.rows.slots)
         batch = self._round_inputs()
         drafted, faulted = self._wants_drafts(batch.budget), False
         block = self._propose(batch, outputs) if drafted else None
@@ -733,13 +741,13 @@ class Engine:
         schedule_seconds = time.perf_counter() - start - draft_seconds
         drafts = block.tokens.tolist()
         inputs = [[s[-1]] + drafts[r][: lens[r]] for r, s in enumerate(seqs)]
-        base_len = self.target.lengths.clone()
-        kv_slots, kv_live = int(self.target.valid.shape[1]), int(base_len.sum())
+        base_len = self.rows.lengths
+        kv_slots, kv_live, holes = self.rows.slots, int(base_len.sum()), self.rows.holes
         target_start = time.perf_counter()
         if side is not None:
-            out, side_out = self.target.forward_with(self.prefill_lm, inputs, side, features=self.want_features)
+            out, side_out = self.rows.forward_with(self.prefill_lm, inputs, side, features=self.want_features)
         else:
-            out = self.target.forward(inputs, features=self.want_features)
+            out = self.rows.forward(inputs, features=self.want_features)
         target_seconds = time.perf_counter() - target_start
         width = max(lens) + 1 if lens else 1
         draft_tokens = block.tokens[:, : width - 1]
@@ -753,7 +761,7 @@ class Engine:
             if cut is not None and cut < res.accepted[r]:
                 res.tokens[r], res.accepted[r] = res.tokens[r][: cut + 1], cut + 1
         # Keep the anchor and the accepted drafts in the target cache; the new token is the next anchor.
-        self.target.truncate(base_len + 1 + torch.tensor(res.accepted, device=device))
+        self.rows.truncate(base_len + 1 + torch.tensor(res.accepted, device=device))
         if not self._asleep:
             sighted = self._sighted(rows)
             if sighted is None:
@@ -781,7 +789,7 @@ class Engine:
             self._pass_fit.observe(target_seconds, len(rows), tokens, kv_slots, prompt_tokens, side is not None)
         per_slot = self._pass_fit.slot_seconds if self.config.paid_compaction else None
         if per_slot is not None:  # what the holes cost this pass's queries
-            self._hole_rent += per_slot * tokens * max(0, kv_slots - int(base_len.max()))
+            self._hole_rent += per_slot * tokens * holes
         predicted = chunk = None
         if self.cost_model is not None:
             predicted = (self.cost_model.cost(len(rows), tokens, drafted_width) if drafted
@@ -826,7 +834,7 @@ class Engine:
     def _compact_if_paid(self) -> None:
         """Compact the target's cache once its holes have cost, since its last compaction, what a compaction is
         measured to cost (`EngineConfig.paid_compaction`)."""
-        target = self.target
+        target = self.rows
         if target.compactions != self._compactions_seen:  # it compacted meanwhile (its own rule, a KV limit)
             self._hole_rent, self._compactions_seen = 0.0, target.compactions
         if not self.config.paid_compaction or target.holes <= 0:
@@ -889,7 +897,7 @@ class Engine:
         for hole, mover in zip((r for r in range(left) if r in gone), movers):
             keep[hole] = mover
         leaving = [self.running[r] for r in rows]
-        self.target.select(keep)
+        self.rows.select(keep)
         if not self._asleep:
             sighted = self._sighted(self.running)
             if sighted is None:
@@ -914,7 +922,7 @@ class Engine:
             self.reserved -= self._reservation(req)
         req.state = "finished"
         if self.config.kv_budget_tokens is not None:  # the rows left may need less width
-            self.target.max_width = self.prefill_lm.max_width = max(
+            self.rows.max_width = self.prefill_lm.max_width = max(
                 (self._reservation(r) for r in (*self.running, *self.prefilling) if r is not req), default=0) or None
         req.finish_time = time.perf_counter()
         for store in (self._features, self._streams, self._gens, self._seqs):

@@ -66,6 +66,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--paid-compaction", action=argparse.BooleanOptionalAction, default=False,
                    help="compact the KV cache once its holes have cost the attention a compaction costs (rent or "
                         "buy), besides when they pass half its longest row (default: off)")
+    s.add_argument("--row-groups", type=int, default=2,
+                   help="padded KV caches the running rows may be split over by length, so that a long prompt "
+                        "does not widen every short row's attention (default: 2; 1: one cache)")
     s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
                    help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
                         "says plain decoding is faster (default: off; the cost model decides)")
@@ -93,7 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         online_cost=not args.no_online_cost, kv_budget_tokens=args.kv_budget_tokens,
                         rate_guard=args.rate_guard, drafter_sleep=args.drafter_sleep,
                         fuse_prefill=args.fuse_prefill, pass_fit=args.pass_fit,
-                        paid_compaction=args.paid_compaction)
+                        paid_compaction=args.paid_compaction, row_groups=args.row_groups)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -60,7 +60,8 @@ def kv_cache_size(engine: Engine) -> tuple[int, int]:
     """(slots, bytes) the target KV cache holds now: rows × slot width and its key / value storage, summed
     over the running batch and the prefilling rows (read from another thread: a snapshot, never exact)."""
     slots, seen, size = 0, set(), 0
-    for lm in (engine.target, getattr(engine, "prefill_lm", None)):
+    rows = getattr(engine, "rows", None)
+    for lm in (*(list(rows.groups) if rows is not None else [engine.target]), getattr(engine, "prefill_lm", None)):
         valid = getattr(lm, "valid", None)
         if valid is not None and valid.dim() == 2:
             slots += int(valid.shape[0]) * int(valid.shape[1])
