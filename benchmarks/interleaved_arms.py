@@ -21,8 +21,8 @@ so one run can compare both; `+unfused` runs every prefill chunk in a pass of it
 round's, `EngineConfig.fuse_prefill`; `+nopassfit` prices every step at the profile's context and keeps
 fused rounds out of the online correction, `EngineConfig.pass_fit`; `+paidcompact` also compacts the cache
 once its holes cost what a compaction does, `EngineConfig.paid_compaction`; `+unfolded` runs attention without
-folding grouped query heads, `dspark.attention.unfolded`; `+onegroup` keeps every running row in one padded
-cache, `EngineConfig.row_groups`); `--warmup` blocks run first and are not
+folding grouped query heads, `dspark.attention.unfolded`; `+onegroup` / `+twogroups` keep the running rows in
+one padded cache / split them in two by length, `EngineConfig.row_groups`); `--warmup` blocks run first and are not
 counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
@@ -85,12 +85,12 @@ class Arm:
         ignore_eos: every request generates its whole length, past the target's EOS."""
         self.spec = spec
         name, *flags = spec.split("+")
-        known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "onegroup")
+        known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "onegroup", "twogroups")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
                              f"+paidcompact (paid compaction), +unfolded (attention without folded query heads) or "
-                             f"+onegroup (every running row in one padded cache)")
+                             f"+onegroup / +twogroups (the running rows in one padded cache / split in two by length)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -106,7 +106,8 @@ class Arm:
             calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter))
         config = EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags,
                               pass_fit="nopassfit" not in flags, paid_compaction="paidcompact" in flags,
-                              row_groups=1 if "onegroup" in flags else EngineConfig.row_groups)
+                              row_groups=2 if "twogroups" in flags else 1 if "onegroup" in flags else
+                              EngineConfig.row_groups)
         self.engine = Engine(self.target, drafter, scheduler, cost, config, calibrator)
         self.concurrency, self.temperature, self.ignore_eos = concurrency, temperature, ignore_eos
         self.unfolded = "unfolded" in flags

@@ -18,9 +18,9 @@ Requests arrive (`add`) and leave (finish, `cancel`) at any time. Each `step()`:
    chunk) → batched verification → per-request commit and rollback → stop conditions → stream the
    committed tokens.
 
-The running rows' target caches are padded groups by length (`dspark.row_groups`, `EngineConfig.row_groups`):
-a long prompt gets a group of its own rather than widening every short row's attention; one model call still
-feeds every group and the prefill chunk.
+The running rows' target cache may be split into padded groups by length (`dspark.row_groups`, opt-in with
+`EngineConfig.row_groups`): a long prompt gets a group of its own rather than widening every short row's
+attention; one model call still feeds every group and the prefill chunk.
 
 Faults stay with the requests they belong to. A drafting call that raises is retried row by row
 (`Drafter.propose_rows`, which leaves the drafter's state as it was): the rows that raise alone finish with
@@ -200,7 +200,9 @@ class EngineConfig:
     rule (holes past max(64, longest / 2)). Off by default: it cuts the slots rows attend over, but served and
     paired runs left its effect on throughput unsettled (benchmarks/results/serving/paid_compaction/).
     row_groups: padded caches the running rows may be split over by length (`dspark.row_groups`: a long
-    prompt in a group of its own instead of widening every row); 1 keeps every row in one cache.
+    prompt in a group of its own instead of widening every row); 1 (the default) keeps every row in one cache.
+    Opt-in: in paired blocks at 32 clients, temperature 1, two groups left `none` level and `dspark` within the
+    noise, 0.96x (benchmarks/results/serving/row_groups/).
     """
 
     max_running: int = 64
@@ -217,7 +219,7 @@ class EngineConfig:
     fuse_prefill: bool = True
     pass_fit: bool = True
     paid_compaction: bool = False
-    row_groups: int = 2
+    row_groups: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk", "row_groups"):

@@ -66,9 +66,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--paid-compaction", action=argparse.BooleanOptionalAction, default=False,
                    help="compact the KV cache once its holes have cost the attention a compaction costs (rent or "
                         "buy), besides when they pass half its longest row (default: off)")
-    s.add_argument("--row-groups", type=int, default=2,
+    s.add_argument("--row-groups", type=int, default=1,
                    help="padded KV caches the running rows may be split over by length, so that a long prompt "
-                        "does not widen every short row's attention (default: 2; 1: one cache)")
+                        "does not widen every short row's attention (default: 1, one cache; 2: split)")
     s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
                    help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
                         "says plain decoding is faster (default: off; the cost model decides)")
