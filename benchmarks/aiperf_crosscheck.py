@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import serve_sweep  # noqa: E402
 
-from dspark.evaluation.bench import load_eval_prompts  # noqa: E402
+from dspark.evaluation.bench import mixed_eval_prompts  # noqa: E402
 from dspark.zoo import default_target_path  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [p for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
+    prompts = mixed_eval_prompts(40)  # as serve_sweep.py takes them
     data = out / "aiperf_prompts.jsonl"
     data.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
 

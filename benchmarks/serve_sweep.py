@@ -10,7 +10,7 @@ the engine of the `none` arm keeps no drafter, as a server without speculation w
 its own process and port; an idle server takes no CPU) and then, per repeat, temperature and concurrency,
 drives the arms in turn (so drifts of the machine fall on every arm alike; the order reverses every other
 repeat, so an arm's place in it does not favour it either) with C clients, each sending
-streaming chat completions back to back (a closed loop) over the bundled held-out prompts with the official
+streaming chat completions back to back (a closed loop) over the bundled held-out prompts (code, prose and math in turn, so every concurrency sees the same mix) with the official
 `openai` async client (one Python process, one thread: on 2 cores a multi-process load generator would take
 the server's CPU; `benchmarks/aiperf_crosscheck.py` cross-checks one cell against NVIDIA's aiperf). A request
 ends at the target's EOS or at its length (--max-tokens, or drawn around it with --length-spread), as a user's
@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from dspark.evaluation.bench import load_eval_prompts
+from dspark.evaluation.bench import mixed_eval_prompts
 
 DEFAULT_ARMS = ["none", "fixed:7", "fixed:3", "fixed:1", "threshold:0.6", "dspark", "dspark-async"]
 COUNTERS = {
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
     other load fall on every arm alike instead of on whichever arm ran at the time."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [p for d in ("code", "prose", "math") for p in load_eval_prompts(d, args.prompts)]
+    prompts = mixed_eval_prompts(args.prompts)  # domains in turn: the same mix at every concurrency
     path = out / "serve_sweep.json"
     results = json.loads(path.read_text()) if path.exists() and args.resume else {"cells": []}
     results["command"] = "python benchmarks/serve_sweep.py " + " ".join(sys.argv[1:])

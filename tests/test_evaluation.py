@@ -130,3 +130,15 @@ def test_paired_tau_ratio_interval_covers_the_true_ratio():
         _, lo, hi = paired_tau_ratio(a, b, draws=300, seed=rng.randrange(10**6))
         covered += lo <= 5.9 / 5.2 <= hi
     assert covered >= 0.85 * trials
+
+
+def test_mixed_eval_prompts_take_the_domains_in_turn():
+    from dspark.evaluation.bench import load_eval_prompts, mixed_eval_prompts
+
+    per = {d: load_eval_prompts(d, 5) for d in ("code", "prose", "math")}
+    mixed = mixed_eval_prompts(5)
+    assert mixed[:3] == [per["code"][0], per["prose"][0], per["math"][0]]
+    assert sorted(mixed) == sorted(p for ps in per.values() for p in ps)
+    for start in range(0, 13):  # any 3 consecutive prompts: one of each domain
+        window = mixed[start:start + 3]
+        assert sum(p in per["code"] for p in window) == 1

@@ -38,6 +38,17 @@ def load_eval_prompts(domain: str, limit: int) -> list[str]:
     return [r["turns"][0] for r in rows[:limit]]
 
 
+EVAL_DOMAINS = ("code", "prose", "math")
+
+
+def mixed_eval_prompts(limit: int, domains: tuple[str, ...] = EVAL_DOMAINS) -> list[str]:
+    """The first `limit` prompts of each domain, taken in turn (code, prose, math, code, ...), so that any run of
+    consecutive prompts holds the domains alike: a load benchmark whose clients take consecutive prompts sees
+    the same mix at every concurrency."""
+    per = [load_eval_prompts(d, limit) for d in domains]
+    return [p for group in zip(*per) for p in group] + [p for ps in per for p in ps[min(map(len, per)):]]
+
+
 @torch.no_grad()
 def divergence_margins(target, outs, reference) -> list[float]:
     """At each greedy output's first token that differs from target-only decoding, the target's logit gap
