@@ -13,8 +13,9 @@ repeat, so an arm's place in it does not favour it either) with C clients, each 
 streaming chat completions back to back (a closed loop) over the bundled held-out prompts (code, prose and
 math in turn, so every concurrency sees the same mix) with the official `openai` async client (one Python
 process, one thread: on 2 cores a multi-process load generator would take the server's CPU;
-`benchmarks/aiperf_crosscheck.py` cross-checks one cell against NVIDIA's aiperf). A request ends at the target's EOS or at its length (--max-tokens, or drawn around it with --length-spread), as a user's
-would; at temperature 0 every arm commits the same tokens (lossless), at temperature > 0 the same distribution.
+`benchmarks/aiperf_crosscheck.py` cross-checks one cell against NVIDIA's aiperf). A request ends at the
+target's EOS or at its length (--max-tokens, or drawn around it with --length-spread), as a user's would; at
+temperature 0 every arm commits the same tokens (lossless), at temperature > 0 the same distribution.
 --ignore-eos asks for exactly the length instead (vLLM's `ignore_eos`): the same work in every arm, but past
 EOS the target writes text no user reads, on which drafters accept far fewer tokens (the bundled DSpark drafter
 at batch 1 on 30 held-out prompts, 128 tokens: 2.69 drafts accepted per round before the first EOS and 0.99
