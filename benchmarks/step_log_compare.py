@@ -1,59 +1,70 @@
-"""Where a served step's time goes, arm against arm, from `dspark serve --step-log` files.
+"""Where does each arm's time per committed token go? (served step logs, `dspark serve --step-log`)
 
-    python benchmarks/step_log_compare.py LOG [LOG ...] [--min-rows 6]
+    python benchmarks/step_log_compare.py NAME=STEPS.jsonl[.gz] ... [--min-batch 12]
 
-For the steps with at least `--min-rows` running rows: steps, mean rows, mean step / round / target pass /
-drafting / scheduling / prefill milliseconds, the gap to the next step, drafts verified and accepted per row,
-and committed tokens per second of step plus gap. Two arms' logs of the same load say which part of a step
-one arm pays more for, and what it gets for it.
+For each arm's step log, over the steps of at least `--min-batch` running requests: committed tokens per
+request-step, drafts verified per request-step, the shares of steps that drafted and that planned, and the
+milliseconds per committed token of the whole step and of its parts (drafting call, scheduling, target pass,
+the rest of the round: verification, commit and bookkeeping; and the step outside its round: prefill and joins);
+then per step: mean rows, the milliseconds of the step and of its drafting call, scheduling and target pass,
+drafts accepted per request-step, and committed tokens per second of the steps and the gaps after them.
 """
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import statistics
-from pathlib import Path
+import sys
+
+from dspark.engine.steplog import read_step_log
 
 
-def read_log(path: Path) -> list[dict]:
-    """The step records of a step log (plain or gzipped JSON lines)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def summary(records: list[dict], min_batch: int) -> str:
+    steps = [r for r in records if r["batch"] >= min_batch]
+    if not steps:
+        return "no steps"
+    rows = sum(r["batch"] for r in steps)
+    tokens = sum(r["batch"] + r["accepted"] for r in steps)
+
+    def ms(key: str) -> float:
+        return 1e3 * sum(r[key] for r in steps) / tokens
+
+    rest = ms("seconds") - ms("draft_seconds") - ms("schedule_seconds") - ms("target_seconds")
+    return (f"steps {len(steps)}, tokens/request-step {tokens / rows:.2f}, verified/request-step "
+            f"{sum(r['verified'] for r in steps) / rows:.2f}, drafted {sum(r['drafted'] for r in steps) / len(steps):.2f}, "
+            f"planned {sum(r['planned'] for r in steps) / len(steps):.2f}; ms per committed token: step "
+            f"{ms('step_seconds'):.3f} = drafting {ms('draft_seconds'):.3f} + scheduling {ms('schedule_seconds'):.3f} "
+            f"+ target {ms('target_seconds'):.3f} + rest of round {rest:.3f} + outside the round "
+            f"{ms('step_seconds') - ms('seconds'):.3f}; {per_step(records, min_batch)}")
 
 
-def summarize(steps: list[dict], min_rows: int) -> dict[str, float]:
-    """Means over the steps with at least `min_rows` rows (gaps: to the next step's start)."""
-    full = [s for s in steps if s["batch"] >= min_rows]
-    if not full:
-        raise ValueError(f"no step has {min_rows} rows or more")
-    gaps = [b["started"] - a["started"] - a["step_seconds"] for a, b in zip(steps, steps[1:]) if a["batch"] >= min_rows]
-    rows = sum(s["batch"] for s in full)
-    committed = sum(s["batch"] + s["accepted"] for s in full)
-    ms = lambda key: 1e3 * statistics.mean(s[key] for s in full)  # noqa: E731
-    return {"steps": len(full), "rows": rows / len(full), "step_ms": ms("step_seconds"), "round_ms": ms("seconds"),
-            "target_ms": ms("target_seconds"), "draft_ms": ms("draft_seconds"), "schedule_ms": ms("schedule_seconds"),
-            "prefill_ms": ms("prefill_seconds"), "gap_ms": 1e3 * statistics.mean(gaps) if gaps else 0.0,
-            "verified_per_row": sum(s["verified"] for s in full) / rows,
-            "accepted_per_row": sum(s["accepted"] for s in full) / rows,
-            "tokens_per_s": committed / (sum(s["step_seconds"] for s in full) + sum(gaps))}
+def per_step(records: list[dict], min_batch: int) -> str:
+    """Means per step over the steps of at least `min_batch` rows, and tokens per second with the gap after each
+    (to the next step's start: the engine thread's time outside `step`)."""
+    steps = [r for r in records if r["batch"] >= min_batch]
+    gaps = [b["started"] - a["started"] - a["step_seconds"] for a, b in zip(records, records[1:])
+            if a["batch"] >= min_batch]
+    rows = sum(r["batch"] for r in steps)
+    tokens = sum(r["batch"] + r["accepted"] for r in steps)
+
+    def ms(key: str) -> float:
+        return 1e3 * sum(r[key] for r in steps) / len(steps)
+
+    return (f"per step: rows {rows / len(steps):.1f}, step {ms('step_seconds'):.1f} ms, drafting "
+            f"{ms('draft_seconds'):.1f}, scheduling {ms('schedule_seconds'):.2f}, target {ms('target_seconds'):.1f}; "
+            f"accepted/request-step {sum(r['accepted'] for r in steps) / rows:.2f}; tokens/s with gaps "
+            f"{tokens / (sum(r['step_seconds'] for r in steps) + sum(gaps)):.0f}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("logs", nargs="+", type=Path)
-    ap.add_argument("--min-rows", type=int, default=6)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("logs", nargs="+", help="NAME=PATH")
+    ap.add_argument("--min-batch", type=int, default=12)
     args = ap.parse_args(argv)
-    print(f"{'log':<24} {'steps':>5} {'rows':>5} {'step':>6} {'round':>6} {'target':>6} {'draft':>6} {'sched':>6} "
-          f"{'prefill':>7} {'gap':>5} {'verif/row':>9} {'acc/row':>7} {'tok/s':>6}   (ms)")
-    for path in args.logs:
-        m = summarize(read_log(path), args.min_rows)
-        print(f"{path.name:<24} {m['steps']:>5} {m['rows']:>5.1f} {m['step_ms']:>6.1f} {m['round_ms']:>6.1f} "
-              f"{m['target_ms']:>6.1f} {m['draft_ms']:>6.1f} {m['schedule_ms']:>6.2f} {m['prefill_ms']:>7.1f} "
-              f"{m['gap_ms']:>5.1f} {m['verified_per_row']:>9.2f} {m['accepted_per_row']:>7.2f} "
-              f"{m['tokens_per_s']:>6.0f}")
+    print(f"python benchmarks/step_log_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    for item in args.logs:
+        name, _, path = item.partition("=")
+        print(f"{name}: {summary(read_step_log(path), args.min_batch)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
