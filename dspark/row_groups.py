@@ -66,7 +66,10 @@ class RowGroups:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """Tokens of each row, engine order."""
+        """Tokens of each row, engine order (a copy)."""
+        single = self._single()
+        if single is not None:
+            return single.lengths.clone()
         out = torch.zeros(self.batch_size, dtype=torch.long, device=self.lead.device)
         for g, lm in enumerate(self.groups):
             if lm.batch_size:
@@ -125,10 +128,7 @@ class RowGroups:
         if reach_t.shape[0] != count:
             raise ValueError(f"got {reach_t.shape[0]} reaches for {count} joining rows")
         chosen = self._choose(reach_t.tolist())
-        while max(chosen) >= len(self.groups):
-            extra = self.lead.empty_like()
-            extra.max_width = self.lead.max_width
-            self.groups.append(extra)
+        self._open(max(chosen))
         index = [0] * count
         left = list(range(count))  # other's rows still there, by joining position
         for g in sorted(set(chosen)):
@@ -185,19 +185,24 @@ class RowGroups:
         if not picked.numel():
             return
         src = int(self._group[picked[0]])
-        while to >= len(self.groups):
-            extra = self.lead.empty_like()
-            extra.max_width = self.lead.max_width
-            self.groups.append(extra)
+        self._open(to)
         source, dest = self.groups[src], self.groups[to]
         base = dest.batch_size
         dest.extend(source.take(self._index[picked].tolist()))
         stay = (self._group == src) & ~rows
         kept = stay.nonzero().squeeze(1)
-        self._index[kept[torch.argsort(self._index[kept])]] = torch.arange(kept.shape[0], device=_CPU)  # take keeps their order
+        # `take` keeps the rows that stay in their order: renumber them 0, 1, ...
+        self._index[kept[torch.argsort(self._index[kept])]] = torch.arange(kept.shape[0], device=_CPU)
         self._group[picked] = to
         self._index[picked] = torch.arange(base, base + picked.shape[0], device=_CPU)
         self.moves += int(picked.shape[0])
+
+    def _open(self, g: int) -> None:
+        """Make sure group g exists (new groups: empty wrappers of the lead's model, its width limit)."""
+        while g >= len(self.groups):
+            extra = self.lead.empty_like()
+            extra.max_width = self.lead.max_width
+            self.groups.append(extra)
 
     def _choose(self, reaches: list[int]) -> list[int]:
         """A group for each joining row, in turn: the one where it adds least to Σ rows × widest reach, an empty
@@ -233,9 +238,13 @@ class RowGroups:
 
     def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
         """Keep only the first `lengths[r]` tokens of engine row r."""
+        if len(lengths) != self.batch_size:
+            raise ValueError(f"got {len(lengths)} lengths for {self.batch_size} rows")
+        single = self._single()
+        if single is not None:  # as the target's own cache: the lengths stay where they are
+            single.truncate(lengths)
+            return
         keep = torch.as_tensor(lengths, dtype=torch.long, device=_CPU)
-        if keep.shape[0] != self.batch_size:
-            raise ValueError(f"got {keep.shape[0]} lengths for {self.batch_size} rows")
         for g, lm in enumerate(self.groups):
             if lm.batch_size:
                 lm.truncate(keep[self.rows_of(g)])

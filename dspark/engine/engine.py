@@ -88,9 +88,10 @@ class StepInfo:
     was measured (online correction included; None without a cost model). started: perf_counter() when the step
     began (the gap to the previous step's end is time the engine thread spent outside `step`). kv_slots: the
     target cache's slots per row before the round's pass (what its attention spans: holes left by rolled-back
-    drafts and the rows' differing lengths included; averaged over rows where they are in several groups); kv_live: the tokens the rows hold (their lengths summed);
-    join_seconds: the part of prefill_seconds spent moving finished prefills into the batch (target cache and
-    drafter state). prefill_slots: the prefill pass's prefilling rows × its width (prefill_tokens plus padding).
+    drafts and the rows' differing lengths included; averaged over rows where they are in several groups);
+    kv_live: the tokens the rows hold (their lengths summed); join_seconds: the part of prefill_seconds spent
+    moving finished prefills into the batch (target cache and drafter state). prefill_slots: the prefill pass's
+    prefilling rows × its width (prefill_tokens plus padding).
     asleep: the drafter slept through this round (`EngineConfig.drafter_sleep`); blind: rows without drafter
     context (admitted or running while it slept, until it wakes and joins them late), which verify no drafts.
     planned: the scheduler computed survivals and planned the round (an adaptive one skips planning where it
@@ -744,7 +745,8 @@ class Engine:
         drafts = block.tokens.tolist()
         inputs = [[s[-1]] + drafts[r][: lens[r]] for r, s in enumerate(seqs)]
         base_len = self.rows.lengths
-        kv_slots, kv_live, holes = self.rows.slots, int(base_len.sum()), self.rows.holes
+        kv_slots, kv_live = self.rows.slots, int(base_len.sum())
+        holes = self.rows.holes if self.config.paid_compaction else 0.0  # read only for the holes' rent
         target_start = time.perf_counter()
         if side is not None:
             out, side_out = self.rows.forward_with(self.prefill_lm, inputs, side, features=self.want_features)
