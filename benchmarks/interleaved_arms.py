@@ -22,7 +22,8 @@ round's, `EngineConfig.fuse_prefill`; `+nopassfit` prices every step at the prof
 fused rounds out of the online correction, `EngineConfig.pass_fit`; `+paidcompact` also compacts the cache
 once its holes cost what a compaction does, `EngineConfig.paid_compaction`; `+unfolded` runs attention without
 folding grouped query heads, `dspark.attention.unfolded`; `+onegroup` / `+twogroups` keep the running rows in
-one padded cache / split them in two by length, `EngineConfig.row_groups`); `--warmup` blocks run first and are not
+one padded cache / split them in two by length, `EngineConfig.row_groups`; `+pathcut` plans a padded step
+by admitting single candidates instead of whole widths, `Scheduler.by_width`); `--warmup` blocks run first and are not
 counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
@@ -85,16 +86,19 @@ class Arm:
         ignore_eos: every request generates its whole length, past the target's EOS."""
         self.spec = spec
         name, *flags = spec.split("+")
-        known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "onegroup", "twogroups")
+        known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "onegroup", "twogroups",
+                 "pathcut")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
                              f"+paidcompact (paid compaction), +unfolded (attention without folded query heads) or "
-                             f"+onegroup / +twogroups (the running rows in one padded cache / split in two by length)")
+                             f"+onegroup / +twogroups (the running rows in one padded cache / split in two by length) or "
+                             f"+pathcut (Algorithm 1 admitting single candidates in the padded layout)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
         scheduler = Scheduler(name, drafter_gamma(drafter))
+        scheduler.by_width = "pathcut" not in flags
         if not scheduler.never_drafts:
             drafter.prepare()
         if scheduler.needs_cost and cost is None:

@@ -6,7 +6,8 @@ For each arm's step log, over the steps of at least `--min-batch` running reques
 request-step, drafts verified per request-step, the shares of steps that drafted and that planned, and the
 milliseconds per committed token of the whole step and of its parts (drafting call, scheduling, target pass,
 the rest of the round: verification, commit and bookkeeping; and the step outside its round: prefill and joins);
-then per step: mean rows, the milliseconds of the step and of its drafting call, scheduling and target pass,
+then per step: mean rows, the milliseconds of the step (and of it the engine thread's waiting, wall minus CPU
+time, in logs that record it) and of its drafting call, scheduling and target pass,
 drafts accepted per request-step, and committed tokens per second of the steps and the gaps after them.
 """
 from __future__ import annotations
@@ -48,7 +49,10 @@ def per_step(records: list[dict], min_batch: int) -> str:
     def ms(key: str) -> float:
         return 1e3 * sum(r[key] for r in steps) / len(steps)
 
-    return (f"per step: rows {rows / len(steps):.1f}, step {ms('step_seconds'):.1f} ms, drafting "
+    # logs since the engine recorded its thread's CPU time: the step's time the thread waited instead of computing
+    waited = (f", of which waited {ms('step_seconds') - ms('cpu_seconds'):.1f}"
+              if all("cpu_seconds" in r for r in steps) else "")
+    return (f"per step: rows {rows / len(steps):.1f}, step {ms('step_seconds'):.1f} ms{waited}, drafting "
             f"{ms('draft_seconds'):.1f}, scheduling {ms('schedule_seconds'):.2f}, target {ms('target_seconds'):.1f}; "
             f"accepted/request-step {sum(r['accepted'] for r in steps) / rows:.2f}; tokens/s with gaps "
             f"{tokens / (sum(r['step_seconds'] for r in steps) + sum(gaps)):.0f}")

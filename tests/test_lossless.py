@@ -374,6 +374,23 @@ def test_staircase_lookahead_of_dspark_stays_lossless():
     check_ab_first_tokens(res, STAIRCASE_SPECS, expected_lengths, biased_a=0.775)
 
 
+# The same staircase in the padded layout, where dspark opens whole widths (`_width_cut`): width 1 opens on the
+# bound of widths 2..3 at a_1 ((1 + 3·0.8) / 2.75 = 1.24 > Θ0 = 1); width 2 after A (bound (2.52 + 0.72) / 2.75
+# = 1.18 > Θ1 = 0.67) and after B too, where the cell is paid and a near-zero a_2 (the calibration's floor) rides
+# along; width 3 after A, A (Θ3 = 1.17 > Θ2 = 0.93), not after A, B (a_3 near zero, the next cell costs).
+PADDED_STAIRCASE_COST = CostModel(drafted={1: [(1, 1.0), (3, 2.7), (4, 2.75)]}, plain={1: 1.0}, layout="padded")
+
+
+def test_padded_width_cut_of_dspark_stays_lossless():
+    """The staircase world in the padded layout: dspark verifies 3 drafts after A, A and 2 otherwise (each
+    width opened on survivals up to it), the global argmax 3 or none (caught, P(A) = 0.775 as in the ragged
+    layout). The first token follows (0.7, 0.3) under dspark."""
+    res = one_round_ab_steps([[0.8, 0.8], [0.9, 0.0], [0.95, 0.0]], STAIRCASE_SPECS, PADDED_STAIRCASE_COST,
+                             STAIRCASE_ROWS, 13_000_000)
+    expected_lengths = {"global-search": {0, 3}, "dspark": {2, 3}}
+    check_ab_first_tokens(res, STAIRCASE_SPECS, expected_lengths, biased_a=0.775)
+
+
 # Drafting costs 0.3 of a step per slot: a step drafting one slot instead of two is 0.3 cheaper. At the full
 # width Θ = 1, 1.8 / 1.7 = 1.06, then 2.52 / 1.72 = 1.47 after A; drafting one slot, Θ = 1 / 0.7 = 1.43 and
 # 1.8 / 1.4 = 1.29.

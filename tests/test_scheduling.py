@@ -93,8 +93,52 @@ def test_algorithm_1_finds_the_optimum_on_a_concave_curve(layout):
         lengths, theta = prefix_schedule(a, [4, 4, 4], cost)
         tau = 3 + sum(a[r, : lengths[r]].sum() for r in range(3))
         assert theta == pytest.approx(tau / cost.cost(3, step_tokens(lengths, layout)))
-        if layout == "ragged":  # Θ is unimodal along the path: the early stop is the global optimum
-            assert theta == pytest.approx(brute_force_best(a, [4, 4, 4], cost))
+        # ragged: Θ is unimodal along the path; padded: along the widths. Either way the early stop is the optimum
+        assert theta == pytest.approx(brute_force_best(a, [4, 4, 4], cost))
+
+
+def test_padded_steps_open_whole_widths_where_one_confident_row_would_widen_every_row():
+    """Eight requests, one confident (survivals 0.95^k) and seven not; each width costs a quarter of a step
+    more. Opening widths one at a time finds the best padded step (width 2, Θ 12.54). Admitting single
+    candidates bounds each wider cell by the confident row's next survival (0.7–0.9), as if every row would
+    fill it that well, and widens all eight rows to 7 (Θ 9.12): in the padded layout the cut reads whole
+    columns (the paths' admission is kept for the ragged layout and as `by_width=False`)."""
+    num = 8
+    cost = CostModel({num: [(num * (1 + w), 1.0 + 0.25 * w) for w in range(8)]}, {num: 0.9}, "padded")
+    strong, weak = np.cumprod([0.95] * 7), np.cumprod([0.8, 0.6, 0.5, 0.3, 0.3, 0.3, 0.3])
+    a = np.vstack([strong] + [weak] * (num - 1))
+    by_width = [(num + a[:, :w].sum()) / (1.0 + 0.25 * w) for w in range(8)]
+    lengths, theta = prefix_schedule(a, [7] * num, cost)
+    assert lengths.tolist() == [2] * num and theta == pytest.approx(max(by_width)) == pytest.approx(12.5417, abs=1e-4)
+    path_lengths, path_theta = prefix_schedule(a, [7] * num, cost, by_width=False)
+    assert path_lengths.tolist() == [7] * num and path_theta == pytest.approx(by_width[7])
+    assert path_theta < 0.75 * theta
+
+
+def test_padded_width_cut_is_the_best_width_and_respects_limits_and_budget():
+    """Random non-increasing survivals, limits and a linear padded curve (Θ over the widths is then unimodal):
+    the width cut's Θ is the best over every width, each row verifies min(limit, width), and a token budget
+    caps the width (N = B·(1 + width) ≤ budget) without opening a width past it."""
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        num, gamma = int(rng.integers(1, 9)), int(rng.integers(1, 8))
+        per_width = rng.uniform(0.02, 0.6)
+        cost = CostModel({num: [(num * (1 + w), 1.0 + per_width * w) for w in range(gamma + 1)]}, {num: 1.0},
+                         "padded")
+        a = np.cumprod(rng.uniform(0.1, 1.0, size=(num, gamma)), 1)
+        lim = rng.integers(0, gamma + 1, size=num)
+        budget = None if trial % 3 else int(rng.integers(num, num * (gamma + 1) + 1))
+        top = int(lim.max(initial=0))
+        if budget is not None:
+            top = min(top, budget // num - 1)
+        thetas = [(num + sum(a[r, : min(lim[r], w)].sum() for r in range(num))) / (1.0 + per_width * w)
+                  for w in range(top + 1)]
+        lengths, theta = prefix_schedule(a, lim, cost, budget)
+        width = int(lengths.max(initial=0))
+        assert lengths.tolist() == np.minimum(lim, width).tolist()
+        assert theta == pytest.approx(max(thetas))
+        if budget is not None:
+            assert step_tokens(lengths, "padded") <= max(budget, num)
 
 
 def test_admitted_sets_are_prefixes_and_respect_limits_and_budget():

@@ -102,7 +102,9 @@ class StepInfo:
     expected_gain / backoff_left / gate_bias: an adaptive scheduler's state after the round
     (`Scheduler.expected_gain`, `backoff_left`, `gate_bias`; None / 0 / None for the others). chunk_seconds:
     a fused round's estimated share of its prefill chunk, taken off before the cost model's online correction
-    sees the round (`dspark.pass_fit`; None when not fused or not fitted yet).
+    sees the round (`dspark.pass_fit`; None when not fused or not fitted yet). cpu_seconds: the engine
+    thread's CPU time over the whole step (`time.thread_time`); with one torch thread on a CPU, step_seconds −
+    cpu_seconds is time the thread waited (for the interpreter lock, or for a core), not computed.
     """
 
     batch: int
@@ -134,6 +136,7 @@ class StepInfo:
     backoff_left: int = 0
     gate_bias: float | None = None
     chunk_seconds: float | None = None
+    cpu_seconds: float = 0.0
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -359,7 +362,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what each request committed in it (finished ones included)."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         self._observe_overhead(start)
         self._observe_rate(start)
         committed = self._committed
@@ -394,6 +397,7 @@ class Engine:
             info.prefill_tokens, info.prefill_seconds = prefill_tokens, prefill_seconds
             info.join_seconds, info.prefill_slots = self._join_seconds, self._prefill_slots
             info.step_seconds, info.started = time.perf_counter() - start, start
+            info.cpu_seconds = time.thread_time() - cpu_start
             if self.on_step is not None:
                 self.on_step(info)
         self._last_round = None if info is None else \
@@ -681,9 +685,11 @@ class Engine:
         used = torch.arange(width, device=block.lengths.device).view(1, -1) < block.lengths.view(-1, 1)
         ok = torch.ones_like(block.lengths, dtype=torch.bool)
         for t in checks:
-            finite = torch.isfinite(t[:, :width])
-            if finite.dim() > 2:  # probabilities [R, γ, V]
-                finite = finite.flatten(2).all(-1)
+            t = t[:, :width]
+            # probabilities [R, γ, V]: their sum over the vocabulary is finite exactly when every entry is (they
+            # lie in [0, 1]), and costs a twentieth of checking each of R·γ·V entries (1.7 against 0.05 ms at
+            # 16 rows, 7 drafts, 8,192 tokens on one CPU thread)
+            finite = torch.isfinite(t.flatten(2).sum(-1) if t.dim() > 2 else t)
             ok &= (finite | ~used[:, : finite.shape[1]]).all(-1)
         if bool(ok.all()):
             return block
