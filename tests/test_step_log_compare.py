@@ -31,3 +31,11 @@ def test_only_full_steps_count_and_tokens_per_second_include_the_gaps(tmp_path, 
     assert compare.summary(steps, 9) == "no steps"
     assert compare.main([f"arm={path}", "--min-batch", "6"]) == 0
     assert f"arm: {line}" in capsys.readouterr().out
+
+
+def test_logs_with_the_threads_cpu_time_show_the_wait():
+    """Steps that record the engine thread's CPU time add how long of each step it waited (wall − CPU)."""
+    steps = [{**_step(0.0, 8, 16, 8), "cpu_seconds": 0.017}, {**_step(0.03, 8, 16, 8), "cpu_seconds": 0.015}]
+    assert "step 20.0 ms, of which waited 4.0, drafting" in compare.summary(steps, 6)
+    steps[1].pop("cpu_seconds")  # a log written before the field: no waiting figure rather than a wrong one
+    assert "waited" not in compare.summary(steps, 6)

@@ -41,6 +41,9 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
         assert rec["max_length"] <= (rec["draft_width"] or 0)
         assert rec["started"] >= last_end  # steps do not overlap and come in order
         assert rec["seconds"] <= rec["step_seconds"] + 1e-6
+        # the engine thread's CPU time over the step: never more than the step's wall time (with a margin for the
+        # clocks' resolution and torch's other threads, whose CPU time thread_time does not count)
+        assert rec["cpu_seconds"] == round(info.cpu_seconds, 6) and 0 < rec["cpu_seconds"] <= rec["step_seconds"] + 2e-3
         assert rec["predicted_seconds"] is not None and rec["predicted_seconds"] > 0
         # the adaptive scheduler's state after the step: its gain once a step was planned, the back-off it keeps
         assert rec["backoff_left"] == info.backoff_left >= 0
