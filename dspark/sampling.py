@@ -89,7 +89,10 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 def sampling_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """filter(logits / T) as float32 [R, L, V]: the log-weights each row samples from (T = 1 for greedy rows)."""
-    return filter_logits(logits.float() / sampling.divisor.view(-1, 1, 1), sampling.top_k, sampling.top_p)
+    scaled, divisor = logits.float(), sampling.divisor.view(-1, 1, 1)
+    # divide in place when .float() made a copy (a float32 input is returned as is and must not change)
+    scaled = scaled.div_(divisor) if scaled is not logits else scaled / divisor
+    return filter_logits(scaled, sampling.top_k, sampling.top_p)
 
 
 def probs_from_sampling_logits(scaled: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.sampling import BatchSampling, SamplingParams
-from dspark.verify import verify
+from dspark.verify import _reaches_total, verify
 
 
 def _mixed_batch():
@@ -86,3 +86,14 @@ def test_too_few_draft_columns_fail_naming_both_widths():
     # more columns than the logits imply are fine: the extra ones are ignored
     res = verify(logits, torch.zeros(1, 4, dtype=torch.long), torch.tensor([2]), None, sampling, [torch.Generator()])
     assert res.accepted == [2] and res.tokens == [[0, 0, 0]]
+
+
+def test_a_draw_is_capped_at_the_first_token_where_the_cdf_reaches_its_total():
+    """The cap on an inverse-CDF draw is a token with mass: after trailing zeros the last token with mass;
+    where trailing masses are too small to move a float32 cdf, the first token at the total (which has mass:
+    the cdf rose there); a one-token distribution, that token."""
+    dist = torch.tensor([[0.2, 0.0, 0.5, 0.3, 0.0, 0.0], [0.0, 1.0, 1e-12, 0.0, 0.0, 0.0],
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]], dtype=torch.float32)
+    cap = _reaches_total(dist.cumsum(-1))
+    assert cap.tolist() == [3, 1, 5]
+    assert all(dist[r, c] > 0 for r, c in enumerate(cap.tolist()))

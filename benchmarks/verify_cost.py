@@ -1,0 +1,66 @@
+"""What verification and the drafts' finiteness check cost per step, on synthetic blocks of the bundled size.
+
+    python benchmarks/verify_cost.py [--rows 16] [--drafts 4] [--vocab 8192] [--temperature 1] [--repeats 200]
+
+Times `dspark.verify.verify` on target logits [rows, drafts + 1, vocab] in bfloat16 (the served dtype) with draft
+distributions [rows, drafts, vocab], every row sampled at the temperature (0: greedy), and the engine's check
+that a block's probabilities and confidences are finite (`Engine._drop_nonfinite`), each the median of
+`--repeats` calls on one torch thread. Run it on two checkouts (PYTHONPATH=OTHER/ python ...) to compare
+versions: the figures are the code's own, on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from dspark.drafters.base import DraftBlock
+from dspark.engine.engine import Engine
+from dspark.sampling import BatchSampling, SamplingParams
+from dspark.verify import verify
+
+
+def median_ms(call, repeats: int) -> float:
+    """Median wall time of `call()` in milliseconds over `repeats` calls, after two warm-up calls."""
+    call(), call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--drafts", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=200)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    rows, drafts, vocab = args.rows, args.drafts, args.vocab
+    logits = torch.randn(rows, drafts + 1, vocab, generator=g).to(torch.bfloat16)
+    probs = torch.softmax(2 * torch.randn(rows, drafts, vocab, generator=g), -1)
+    tokens = torch.multinomial(probs.view(-1, vocab), 1, generator=g).view(rows, drafts)
+    lengths = torch.full((rows,), drafts, dtype=torch.long)
+    sampling = BatchSampling.from_params([SamplingParams(temperature=args.temperature)] * rows, "cpu")
+    generators = [torch.Generator().manual_seed(r) for r in range(rows)]
+    block = DraftBlock(tokens, lengths, probs, torch.rand(rows, drafts, generator=g))
+    owner = SimpleNamespace(nonfinite_drafts=0)
+    verify_ms = median_ms(lambda: verify(logits, tokens, lengths, probs, sampling, generators), args.repeats)
+    check_ms = median_ms(lambda: Engine._drop_nonfinite(owner, block), args.repeats)
+    print(f"python benchmarks/verify_cost.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"{rows} rows, {drafts} drafts, vocabulary {vocab}, temperature {args.temperature:g}, one thread: "
+          f"verify {verify_ms:.3f} ms, finiteness check {check_ms:.3f} ms (medians of {args.repeats})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
