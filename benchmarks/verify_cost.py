@@ -43,7 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=200)
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     g = torch.Generator().manual_seed(0)
     rows, drafts, vocab = args.rows, args.drafts, args.vocab
     logits = torch.randn(rows, drafts + 1, vocab, generator=g).to(torch.bfloat16)
