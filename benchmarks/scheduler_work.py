@@ -1,6 +1,7 @@
 """What the adaptive scheduler's own work costs an engine step, part by part, as `dspark serve` runs it.
 
-    python benchmarks/scheduler_work.py [--concurrency 1 8 32] [--temperatures 0 1] [--steps 200] [--out FILE]
+    python benchmarks/scheduler_work.py [--concurrency 1 8 32] [--temperatures 0 1] [--steps 200] [--threads N]
+        [--out FILE]
 
 Keeps `--concurrency` requests running in process (benchmarks/engine_overhead.py's closed loop) in the
 `dspark` engine of benchmarks/interleaved_arms.py (the profiled cost model and online calibration on, as
@@ -79,9 +80,16 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--profile", default="benchmarks/results/serving/profile_cpu_epyc.json")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (a served engine on a CPU runs one fewer than the cores)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    import torch
+
     import dspark
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     lines = [f"python benchmarks/scheduler_work.py {' '.join(sys.argv[1:])}",
              f"dspark from {Path(dspark.__file__).resolve().parent.parent}",

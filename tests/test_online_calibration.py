@@ -333,9 +333,9 @@ def test_decode_feeds_the_online_calibrator_and_uses_it(qwen3_target):
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
     rounds = sum(1 for r in out for s in r.rounds if s.draft_len > 0)
     assert rounds > 0 and online.counts["observed"] == rounds and not online.rejected
-    # a step observes its rows' rounds in one deferred block: at refit_every 1 a stream refits once per
-    # drafted step, not once per round
-    every = OnlineCalibrator(ConstantMap([0.9] * 4), 4, refit_every=1, min_rounds=5)
+    # a step observes its rows' rounds in one deferred block: at refit_every 1 (and refit_steps 1) a stream
+    # refits once per drafted step, not once per round
+    every = OnlineCalibrator(ConstantMap([0.9] * 4), 4, refit_every=1, refit_steps=1, min_rounds=5)
     out = decode(qwen3_target, NgramDrafter(gamma=4), prompts, SamplingParams(), 40, scheduler="threshold:0.5",
                  online_calibration=every)
     steps = max(sum(1 for s in r.rounds if s.draft_len > 0) for r in out)
@@ -409,10 +409,11 @@ def test_a_non_finite_fit_is_not_kept_as_the_next_start() -> None:
 
 def test_observe_step_stores_and_refits_as_observing_each_row_in_a_deferred_block() -> None:
     """A step's rows observed in one call (the engine's path) give the same stored rounds, counts, rejections
-    and fits as observing each row's verified prefix alone inside `deferred_refits`; malformed rows are
-    rejected one by one and a malformed block rejects every row."""
+    and fits as observing each row's verified prefix alone inside `deferred_refits` (with refit_steps 1: the
+    step gate is the next test's); malformed rows are rejected one by one and a malformed block rejects every
+    row."""
     data = stream(600, seed=5)
-    one, batched = make(refit_every=10), make(refit_every=10)
+    one, batched = make(refit_every=10), make(refit_every=10, refit_steps=1)
     step = 8
     for start in range(0, len(data), step):
         rows = range(start, min(start + step, len(data)))
@@ -435,3 +436,27 @@ def test_observe_step_stores_and_refits_as_observing_each_row_in_a_deferred_bloc
     assert batched.rejected["shape"] == 3
     with pytest.raises(ValueError, match="one entry per row"):
         batched.observe_step(data.signals[:2], [1, 1], [0], [True, True])
+
+
+def test_steps_refit_a_stream_at_most_every_refit_steps_whatever_their_rows() -> None:
+    """Under load a step brings many rounds: 16 rows a step cross refit_every = 50 every 4 steps, but a stream
+    refits only after `refit_steps` steps (each refit then sees more new rounds); at one row a step the
+    rounds are what wait, as before; single rounds observed outside steps refit every refit_every rounds."""
+    gamma = 4
+    sig = torch.zeros(16, gamma, 3)
+
+    def run(rows: int, steps: int, refit_steps: int) -> int:
+        cal = OnlineCalibrator(ConstantMap([0.8] * gamma), gamma, refit_every=50, refit_steps=refit_steps)
+        for _ in range(steps):
+            cal.observe_step(sig[:rows], [gamma] * rows, [1] * rows, [True] * rows)
+        return cal.parameters()["greedy"]["refits"]
+
+    assert run(16, 64, 1) == 16  # every 4th step crosses 50 rounds
+    assert run(16, 64, 8) == 8  # every 8th step: 128 rounds between refits
+    assert run(1, 200, 8) == 4  # 50 one-row steps between refits: the round count decides
+    single = OnlineCalibrator(ConstantMap([0.8] * gamma), gamma, refit_every=50, refit_steps=8)
+    for _ in range(200):
+        single.observe(sig[0], gamma, 1, True)
+    assert single.parameters()["greedy"]["refits"] == 4
+    with pytest.raises(ValueError, match="refit_steps"):
+        OnlineCalibrator(ConstantMap([0.8] * gamma), gamma, refit_steps=0)

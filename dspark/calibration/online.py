@@ -5,7 +5,8 @@ greedy | sampled, and per position k, an affine correction of the prior's condit
 
     c'_k = sigmoid(α_k · logit(c_k) + β_k),   starting at α = 1, β = 0 (the prior itself),
 
-is refitted every `refit_every` observed rounds of that workload and regime on a forgetting window of its
+is refitted every `refit_every` observed rounds of that workload and regime (through the engine's per-step
+`observe_step`, at most once every `refit_steps` steps) on a forgetting window of its
 conditional labels (draft k reached: accepted ≥ k − 1 and available ≥ k) by damped Newton steps on the
 weighted log loss plus a ridge pulling towards (1, 0) and (``position_ridge``) towards the correction shared
 by all positions. Serving reads only signals (non-anticipating) and has `Calibration.survival`'s contract, so
@@ -108,6 +109,7 @@ class _Stream:
     pending: int = 0                           # newest rounds whose prior logits are not computed yet
     since_refit: int = 0
     refits: int = 0
+    refit_step: int = -(1 << 62)               # the calibrator's `observe_step` count at the last refit
     effective_rounds: float = 0.0              # Σ capped window weights at the last refit
     trusted: bool = False                      # effective_rounds ≥ min_rounds at the last refit
     last_change: float = 0.0                   # max |Δparam| of the last refit
@@ -152,7 +154,10 @@ class OnlineCalibrator:
     gamma: positions with their own correction (later positions reuse the last one).
     decay: weight factor per observed round of a workload and regime (exponential forgetting); window: keep
       only the last `window` rounds (uniform weights unless decay is set too). At least one must be given.
-    refit_every: rounds of a workload and regime between refits. max_request_share: cap on one request's
+    refit_every: rounds of a workload and regime between refits; refit_steps: decoding steps (`observe_step`
+      calls) at least between two refits of a stream, so that under load (16 rows and more bring 50 rounds in
+      under 4 steps) a refit's fixed cost (about 2 ms on the bundled drafter's 2,000-round window) is paid every
+      few steps rather than every step. max_request_share: cap on one request's
       weight, as a share of the effective window size. max_step: largest change of any α_k or β_k per refit.
     min_rounds: effective (capped, forgetting-weighted) rounds a workload needs before its own fit is served.
     ridge: strength (in rounds) of the pull towards (α, β) = (1, 0); position_ridge: of each position's pull
@@ -163,7 +168,8 @@ class OnlineCalibrator:
     """
 
     def __init__(self, prior: Calibration | SurvivalMap, gamma: int, *, decay: float | None = 0.995,
-                 window: int | None = None, refit_every: int = 50, max_request_share: float = 0.1,
+                 window: int | None = None, refit_every: int = 50, refit_steps: int = 8,
+                 max_request_share: float = 0.1,
                  max_step: float = 0.25, min_rounds: float = 50.0, ridge: float = 1.0, position_ridge: float = 10.0,
                  newton_steps: int = 6,
                  workloads: Sequence[str] | None = None, max_workloads: int = 64,
@@ -180,8 +186,8 @@ class OnlineCalibrator:
             raise ValueError(f"decay must lie in (0, 1), got {decay}")
         if window is not None and window < 1:
             raise ValueError(f"window must be ≥ 1 round, got {window}")
-        if refit_every < 1 or newton_steps < 1:
-            raise ValueError("refit_every and newton_steps must be ≥ 1")
+        if refit_every < 1 or newton_steps < 1 or refit_steps < 1:
+            raise ValueError("refit_every, refit_steps and newton_steps must be ≥ 1")
         if not 0 < max_request_share <= 1:
             raise ValueError(f"max_request_share must lie in (0, 1], got {max_request_share}")
         if not max_step > 0 or not ridge > 0 or position_ridge < 0 or min_rounds < 0:
@@ -197,6 +203,7 @@ class OnlineCalibrator:
         d = 1.0 if decay is None else decay
         self.effective_window = float(self.capacity) if d == 1.0 else (1 - d ** self.capacity) / (1 - d)
         self.refit_every = int(refit_every)
+        self.refit_steps = int(refit_steps)
         self.max_request_share = float(max_request_share)
         self.request_cap = self.max_request_share * self.effective_window
         self.max_step = float(max_step)
@@ -218,6 +225,8 @@ class OnlineCalibrator:
         self._maps: dict[tuple[float, str], tuple[SurvivalMap, bool]] = {}
         self._lock = threading.RLock()
         self._deferring = 0  # open deferred_refits blocks
+        self._steps = 0  # `observe_step` calls so far
+        self._in_step = False  # inside `observe_step`'s deferred block: refits wait for `refit_steps`
 
     # ------------------------------------------------------------------ workloads and parameters
 
@@ -315,7 +324,8 @@ class OnlineCalibrator:
                      temperatures: Sequence[float | None] | None = None) -> int:
         """Record one decoding step's rounds, row r of signals [R, γ', 3] verifying its first available[r]
         drafts, as `observe` does each (same checks, counts and storage), with the block checked and moved to
-        numpy once and the streams refitted once at the end (`deferred_refits`). Returns how many were stored."""
+        numpy once and the streams refitted once at the end (`deferred_refits`), a stream at most once every
+        `refit_steps` calls. Returns how many were stored."""
         rows = len(available)
         others = [v for v in (workloads, request_ids, temperatures) if v is not None]
         if len(accepted) != rows or len(greedy) != rows or any(len(v) != rows for v in others):
@@ -328,16 +338,28 @@ class OnlineCalibrator:
                     self._reject("shape" if not isinstance(block, str) else block)
                 return 0
             stored = 0
-            with self.deferred_refits():
-                for r in range(rows):
-                    avail = available[r]
-                    cut = block[r, : avail] if isinstance(avail, (int, np.integer)) and not isinstance(avail, bool) \
-                        and 0 < avail <= block.shape[1] else block[r]
-                    stored += self._observe_array(
-                        cut, avail, accepted[r], greedy[r], None if workloads is None else workloads[r],
-                        None if request_ids is None else request_ids[r],
-                        None if temperatures is None else temperatures[r])
+            self._steps += 1
+            self._in_step = True
+            try:
+                with self.deferred_refits():
+                    stored = self._observe_rows(block, rows, available, accepted, greedy, workloads, request_ids,
+                                                temperatures)
+            finally:
+                self._in_step = False
             return stored
+
+    def _observe_rows(self, block: np.ndarray, rows: int, available, accepted, greedy, workloads, request_ids,
+                      temperatures) -> int:
+        """`observe_step`'s rows, each through `_observe_array`; returns how many were stored."""
+        stored = 0
+        for r in range(rows):
+            avail = available[r]
+            cut = block[r, : avail] if isinstance(avail, (int, np.integer)) and not isinstance(avail, bool) \
+                and 0 < avail <= block.shape[1] else block[r]
+            stored += self._observe_array(
+                cut, avail, accepted[r], greedy[r], None if workloads is None else workloads[r],
+                None if request_ids is None else request_ids[r], None if temperatures is None else temperatures[r])
+        return stored
 
     def _observe_array(self, sig: np.ndarray, available: Any, accepted: Any, greedy: Any, workload: Any,
                        request_id: Any, temperature: Any) -> bool:
@@ -438,7 +460,8 @@ class OnlineCalibrator:
             finally:
                 self._deferring -= 1
                 if not self._deferring:
-                    due = [s for s in self._streams.values() if s.since_refit >= self.refit_every]
+                    due = [s for s in self._streams.values() if s.since_refit >= self.refit_every
+                           and (not self._in_step or self._steps - s.refit_step >= self.refit_steps)]
                     for stream in due:
                         self._refit(stream)
                     if due:
@@ -565,7 +588,7 @@ class OnlineCalibrator:
         position's (ridge `ridge` towards (1, 0) plus `position_ridge` towards the shared one, which lends
         deep, rarely reached positions the strength of the others).
         """
-        stream.since_refit = 0
+        stream.since_refit, stream.refit_step = 0, self._steps
         z, avail, acc, w = self._window(stream)
         stream.effective_rounds = float(w.sum())
         stream.trusted = stream.effective_rounds >= self.min_rounds
@@ -706,7 +729,8 @@ class OnlineCalibrator:
             return json_safe({
                 "settings": {"gamma": self.gamma, "decay": self.decay, "window": self.window,
                              "capacity": self.capacity, "effective_window": self.effective_window,
-                             "refit_every": self.refit_every, "max_request_share": self.max_request_share,
+                             "refit_every": self.refit_every, "refit_steps": self.refit_steps,
+                             "max_request_share": self.max_request_share,
                              "request_cap": self.request_cap, "max_step": self.max_step,
                              "min_rounds": self.min_rounds, "ridge": self.ridge,
                              "position_ridge": self.position_ridge},
