@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [(i.batch, i.tokens, i.kv_slots, i.target_seconds) for i in arm.steps if not i.fused_prefill]
         slopes = fit_slopes(rounds, min_rows)
         split = split_slope(slopes)
-        fitted = arm.engine._pass_fit.slot_seconds
+        fitted = arm.engine.pass_fit.slot_seconds
         for w, (a, b, n) in slopes.items():
             lines.append(f"{arm.spec:10s} width {w}: {n:4d} rounds, a {a:6.2f} ms, b {b:.4f} ms/slot "
                          f"({b / REF_ROWS * 1e3:.3f} us per row-slot)")

@@ -150,8 +150,12 @@ def test_fused_rounds_reach_the_online_correction_less_their_chunk(fit, bundled_
     if fit:
         assert len(took_off) >= 5 and all(i.chunk_seconds >= 0 for i in took_off)
         assert any(c is not None for c in contexts)  # rounds were priced at their context once it was fitted
+        # the engine's fit (public for benchmarks) saw every round's pass, the fused ones as fused
+        assert engine.pass_fit.steps == len(infos) and engine.pass_fit.fused_steps == len(fused)
+        assert engine.pass_fit.chunk_seconds(10) is not None
     else:
         assert not took_off and not contexts
+        assert engine.pass_fit.steps == 0
 
 
 def test_serve_switches_the_pass_fit_with_its_flag() -> None:

@@ -347,6 +347,12 @@ class Engine:
             self._cancel.add(request_id)
 
     @property
+    def pass_fit(self) -> PassFit:
+        """The online fit of this engine's target passes (`dspark.pass_fit`): the context's and a fused chunk's
+        slopes it prices steps with (fitted only with a cost model, online correction and `pass_fit` on)."""
+        return self._pass_fit
+
+    @property
     def has_work(self) -> bool:
         """True while any request waits, prefills or runs."""
         return bool(self.waiting or self.prefilling or self.running)
