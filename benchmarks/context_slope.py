@@ -90,9 +90,13 @@ def main(argv: list[str] | None = None) -> int:
              f"fused prefill chunk; target ms of {REF_ROWS} rows = a + b * slots per row, by width (query tokens "
              f"per row)"]
     data = {}
+    pooled: dict[int, tuple[float, float, int]] = {}  # every arm's widths together, the most rounds per width
     for arm in arms:
         rounds = [(i.batch, i.tokens, i.kv_slots, i.target_seconds) for i in arm.steps if not i.fused_prefill]
         slopes = fit_slopes(rounds, min_rows)
+        for w, fit in slopes.items():  # none: width 1, fixed:K: K + 1 mostly
+            if w not in pooled or fit[2] > pooled[w][2]:
+                pooled[w] = fit
         split = split_slope(slopes)
         fitted = arm.engine.pass_fit.slot_seconds
         for w, (a, b, n) in slopes.items():
@@ -104,12 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{arm.spec:10s} pass fit's slope per query-token-slot: "
                      + ("not fitted" if fitted is None else f"{fitted * 1e6:.3f} us"))
         data[arm.spec] = {"slopes": {str(w): s for w, s in slopes.items()}, "split": split, "pass_fit": fitted}
-    pooled: dict[int, tuple[float, float, int]] = {}
-    for arm in arms:  # every arm's widths together (none: 1, fixed:K: K + 1 mostly), the most rounds per width
-        for w, fit in fit_slopes([(i.batch, i.tokens, i.kv_slots, i.target_seconds) for i in arm.steps
-                                  if not i.fused_prefill], min_rows).items():
-            if w not in pooled or fit[2] > pooled[w][2]:
-                pooled[w] = fit
     split = split_slope(pooled)
     if split is not None:
         lines.append(f"all arms (widths {sorted(pooled)}): per row-slot {split[0] * 1e6:.3f} us + per "

@@ -28,14 +28,14 @@ def pass_rows(steps: list[dict], min_batch: int, rows: int = 64) -> list[dict]:
         if not sel:
             continue
         mean = statistics.mean
+        shares = [s["cpu_seconds"] / s["step_seconds"] for s in sel
+                  if s.get("cpu_seconds") is not None and s.get("step_seconds")]
         out.append({"drafted": drafted, "fused": fused, "steps": len(sel),
                     "target_ms": mean(s["target_seconds"] * 1e3 * rows / s["batch"] for s in sel),
                     "slots": mean(s["kv_slots"] for s in sel),
                     "tokens_per_row": mean(s["tokens"] / s["batch"] for s in sel),
                     "prompt_tokens": mean(s.get("prefill_tokens", 0) for s in sel),
-                    "cpu_share": mean(s["cpu_seconds"] / s["step_seconds"] for s in sel
-                                      if s.get("cpu_seconds") is not None and s.get("step_seconds"))
-                    if any(s.get("cpu_seconds") is not None and s.get("step_seconds") for s in sel) else None})
+                    "cpu_share": mean(shares) if shares else None})
     return out
 
 

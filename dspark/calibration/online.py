@@ -226,7 +226,7 @@ class OnlineCalibrator:
         self._lock = threading.RLock()
         self._deferring = 0  # open deferred_refits blocks
         self._steps = 0  # `observe_step` calls so far
-        self._in_step = False  # inside `observe_step`'s deferred block: refits wait for `refit_steps`
+        self._step_block = False  # the outermost open deferred block is a step's: its refits wait `refit_steps`
 
     # ------------------------------------------------------------------ workloads and parameters
 
@@ -339,27 +339,16 @@ class OnlineCalibrator:
                 return 0
             stored = 0
             self._steps += 1
-            self._in_step = True
-            try:
-                with self.deferred_refits():
-                    stored = self._observe_rows(block, rows, available, accepted, greedy, workloads, request_ids,
-                                                temperatures)
-            finally:
-                self._in_step = False
+            with self.deferred_refits(step=True):
+                for r in range(rows):
+                    avail = available[r]
+                    cut = block[r, : avail] if isinstance(avail, (int, np.integer)) and not isinstance(avail, bool) \
+                        and 0 < avail <= block.shape[1] else block[r]
+                    stored += self._observe_array(
+                        cut, avail, accepted[r], greedy[r], None if workloads is None else workloads[r],
+                        None if request_ids is None else request_ids[r],
+                        None if temperatures is None else temperatures[r])
             return stored
-
-    def _observe_rows(self, block: np.ndarray, rows: int, available, accepted, greedy, workloads, request_ids,
-                      temperatures) -> int:
-        """`observe_step`'s rows, each through `_observe_array`; returns how many were stored."""
-        stored = 0
-        for r in range(rows):
-            avail = available[r]
-            cut = block[r, : avail] if isinstance(avail, (int, np.integer)) and not isinstance(avail, bool) \
-                and 0 < avail <= block.shape[1] else block[r]
-            stored += self._observe_array(
-                cut, avail, accepted[r], greedy[r], None if workloads is None else workloads[r],
-                None if request_ids is None else request_ids[r], None if temperatures is None else temperatures[r])
-        return stored
 
     def _observe_array(self, sig: np.ndarray, available: Any, accepted: Any, greedy: Any, workload: Any,
                        request_id: Any, temperature: Any) -> bool:
@@ -447,13 +436,17 @@ class OnlineCalibrator:
             self._served.clear()
 
     @contextmanager
-    def deferred_refits(self) -> Iterator[None]:
+    def deferred_refits(self, step: bool = False) -> Iterator[None]:
         """Rounds observed inside the block refit their streams once, when it ends, rather than every
         `refit_every` rounds within it: a decoding step observes all its rows' rounds in one such block, so
         a stream refits at most once per step however many rows it has (at 32 rows and refit_every 25 it
         would otherwise refit more than once in some steps, for no gain before the next step's survivals).
-        Blocks nest; survival asked inside one sees the parameters of before it."""
+        Blocks nest; survival asked inside one sees the parameters of before it. `step`: the block is a decoding
+        step's (`observe_step`); when it is the outermost, a stream refits only `refit_steps` steps or more after
+        its last refit."""
         with self._lock:
+            if not self._deferring:
+                self._step_block = step
             self._deferring += 1
             try:
                 yield
@@ -461,7 +454,7 @@ class OnlineCalibrator:
                 self._deferring -= 1
                 if not self._deferring:
                     due = [s for s in self._streams.values() if s.since_refit >= self.refit_every
-                           and (not self._in_step or self._steps - s.refit_step >= self.refit_steps)]
+                           and (not self._step_block or self._steps - s.refit_step >= self.refit_steps)]
                     for stream in due:
                         self._refit(stream)
                     if due:
