@@ -23,7 +23,8 @@ fused rounds out of the online correction, `EngineConfig.pass_fit`; `+paidcompac
 once its holes cost what a compaction does, `EngineConfig.paid_compaction`; `+unfolded` runs attention without
 folding grouped query heads, `dspark.attention.unfolded`; `+onegroup` / `+twogroups` keep the running rows in
 one padded cache / split them in two by length, `EngineConfig.row_groups`; `+pathcut` plans a padded step
-by admitting single candidates instead of whole widths, `Scheduler.by_width`); `--warmup` blocks run first and are not
+by admitting single candidates instead of whole widths, `Scheduler.by_width`; `+refitperstep` lets the online
+calibrator refit as often as every step, `OnlineCalibrator(refit_steps=1)`); `--warmup` blocks run first and are not
 counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
@@ -87,13 +88,14 @@ class Arm:
         self.spec = spec
         name, *flags = spec.split("+")
         known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "onegroup", "twogroups",
-                 "pathcut")
+                 "pathcut", "refitperstep")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
                              f"+paidcompact (paid compaction), +unfolded (attention without folded query heads) or "
                              f"+onegroup / +twogroups (the running rows in one padded cache / split in two by length) or "
-                             f"+pathcut (Algorithm 1 admitting single candidates in the padded layout)")
+                             f"+pathcut (Algorithm 1 admitting single candidates in the padded layout) or "
+                             f"+refitperstep (the online calibrator refitting as often as every step)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -107,7 +109,8 @@ class Arm:
         if online and scheduler.adaptive and getattr(drafter, "calibration", None) is not None:
             from dspark.calibration.online import OnlineCalibrator
 
-            calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter))
+            calibrator = OnlineCalibrator(prior=drafter.calibration, gamma=drafter_gamma(drafter),
+                                          **({"refit_steps": 1} if "refitperstep" in flags else {}))
         config = EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags,
                               pass_fit="nopassfit" not in flags, paid_compaction="paidcompact" in flags,
                               row_groups=2 if "twogroups" in flags else 1 if "onegroup" in flags else
