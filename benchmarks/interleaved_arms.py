@@ -21,7 +21,8 @@ so one run can compare both; `+unfused` runs every prefill chunk in a pass of it
 round's, `EngineConfig.fuse_prefill`; `+nopassfit` prices every step at the profile's context and keeps
 fused rounds out of the online correction, `EngineConfig.pass_fit`; `+paidcompact` also compacts the cache
 once its holes cost what a compaction does, `EngineConfig.paid_compaction`; `+unfolded` runs attention without
-folding grouped query heads, `dspark.attention.unfolded`; `+onegroup` / `+twogroups` keep the running rows in
+folding grouped query heads, `dspark.attention.unfolded`; `+unsegmented` runs each attention call over
+every row at once and keeps the rows unsorted, `dspark.attention.unsegmented`, `EngineConfig.sort_rows`; `+onegroup` / `+twogroups` keep the running rows in
 one padded cache / split them in two by length, `EngineConfig.row_groups`; `+pathcut` plans a padded step
 by admitting single candidates instead of whole widths, `Scheduler.by_width`; `+refitperstep` lets the online
 calibrator refit as often as every step, `OnlineCalibrator(refit_steps=1)`); `--warmup` blocks run first and are not
@@ -57,7 +58,7 @@ from serve_sweep import request_length  # noqa: E402
 
 from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model
 from dspark.atomic import write_text_atomic
-from dspark.attention import unfolded
+from dspark.attention import unfolded, unsegmented
 from dspark.drafters.base import drafter_gamma
 from dspark.engine import Engine, EngineConfig, Request
 from dspark.evaluation.bench import load_eval_prompts
@@ -87,12 +88,13 @@ class Arm:
         ignore_eos: every request generates its whole length, past the target's EOS."""
         self.spec = spec
         name, *flags = spec.split("+")
-        known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "onegroup", "twogroups",
-                 "pathcut", "refitperstep")
+        known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "unsegmented", "onegroup",
+                 "twogroups", "pathcut", "refitperstep")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
-                             f"+paidcompact (paid compaction), +unfolded (attention without folded query heads) or "
+                             f"+paidcompact (paid compaction), +unfolded (attention without folded query heads), +unsegmented (attention "
+                             f"without row segments) or "
                              f"+onegroup / +twogroups (the running rows in one padded cache / split in two by length) or "
                              f"+pathcut (Algorithm 1 admitting single candidates in the padded layout) or "
                              f"+refitperstep (the online calibrator refitting as often as every step)")
@@ -114,10 +116,11 @@ class Arm:
         config = EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags,
                               pass_fit="nopassfit" not in flags, paid_compaction="paidcompact" in flags,
                               row_groups=2 if "twogroups" in flags else 1 if "onegroup" in flags else
-                              EngineConfig.row_groups)
+                              EngineConfig.row_groups, sort_rows="unsegmented" not in flags)
         self.engine = Engine(self.target, drafter, scheduler, cost, config, calibrator)
         self.concurrency, self.temperature, self.ignore_eos = concurrency, temperature, ignore_eos
         self.unfolded = "unfolded" in flags
+        self.unsegmented = "unsegmented" in flags
         self.steps: list = []  # the StepInfo of every decoding round served (`accounting`)
         self.lengths = argparse.Namespace(max_tokens=max_tokens, length_spread=length_spread)
 
@@ -143,7 +146,7 @@ class Arm:
 
         while pending and running < self.concurrency:
             issue()
-        with unfolded() if self.unfolded else nullcontext():
+        with unfolded() if self.unfolded else nullcontext(), unsegmented() if self.unsegmented else nullcontext():
             while running:
                 for out in self.engine.step():
                     tokens += len(out.token_ids)

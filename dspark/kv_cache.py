@@ -139,9 +139,11 @@ class HeadroomLayer(DynamicLayer):
         torch.gather(v_src, 2, order.view(rows, 1, width, 1).expand(-1, v_src.shape[1], -1, v_src.shape[3]), out=values)
         self.keys, self.values = keys, values
 
-    def stack_rows(self, parts: list[tuple[torch.Tensor | None, torch.Tensor | None, int]], width: int) -> None:
+    def stack_rows(self, parts: list[tuple[torch.Tensor | None, torch.Tensor | None, int]], width: int,
+                   right: bool = False) -> None:
         """Become the rows of `parts` one after another ([(keys, values, rows)], keys None for rows that never
-        ran a pass), each padded with zero slots to `width`; copied once into a buffer with room to grow."""
+        ran a pass), each padded with zero slots to `width` (right: padded on the left, every part's slots ending
+        at `width`); copied once into a buffer with room to grow."""
         like_k = next(k for k, _, _ in parts if k is not None)
         like_v = next(v for _, v, _ in parts if v is not None)
         if self.keys is None or self.keys.dim() != 4:
@@ -150,35 +152,41 @@ class HeadroomLayer(DynamicLayer):
         start = 0
         for k, v, n in parts:
             used = 0 if k is None else k.shape[2]
+            lo = width - used if right else 0
+            keys[start : start + n] = 0  # padding slots are masked; zeros keep them finite
+            values[start : start + n] = 0
             if k is not None:
-                keys[start : start + n, :, :used] = k
-                values[start : start + n, :, :used] = v
-            keys[start : start + n, :, used:] = 0  # padding slots are masked; zeros keep them finite
-            values[start : start + n, :, used:] = 0
+                keys[start : start + n, :, lo : lo + used] = k
+                values[start : start + n, :, lo : lo + used] = v
             start += n
         self.keys, self.values = keys, values
         if not self.is_initialized:
             self.is_initialized = True
             self.device = like_k.device
 
-    def extend_rows(self, keys: torch.Tensor | None, values: torch.Tensor | None, rows: int, width: int) -> None:
+    def extend_rows(self, keys: torch.Tensor | None, values: torch.Tensor | None, rows: int, width: int,
+                    right: bool = False) -> None:
         """Append `rows` rows (their keys / values, None for rows that never ran a pass) after this layer's rows,
-        every row padded with zero slots to `width`. In place when the buffers have the spare rows and slots
-        (only the new rows and the widened slots are written); otherwise re-homed with `stack_rows`."""
+        every row padded with zero slots to `width` (right: padded on the left, every row's slots ending at
+        `width`). In place when the buffers have the spare rows and slots (only the new rows and the widened
+        slots are written) and, right-aligned, this layer's rows already span `width`; otherwise re-homed with
+        `stack_rows`."""
         if self.keys is None or self.keys.dim() != 4:
             raise ValueError("extend_rows needs a layer that has run a pass")
         mine, have = self.keys.shape[0], self.keys.shape[2]
-        if not (self._holds_views() and mine + rows <= self._kbuf.shape[0] and have <= width <= self._kbuf.shape[2]):
-            self.stack_rows([(self.keys, self.values, mine), (keys, values, rows)], width)
+        if not (self._holds_views() and mine + rows <= self._kbuf.shape[0] and have <= width <= self._kbuf.shape[2]
+                and not (right and have < width)):
+            self.stack_rows([(self.keys, self.values, mine), (keys, values, rows)], width, right=right)
             return
         for buf in (self._kbuf, self._vbuf):
             buf[:mine, :, have:width] = 0  # padding slots are masked; zeros keep them finite
         used = 0 if keys is None else keys.shape[2]
+        lo = width - used if right else 0
+        self._kbuf[mine : mine + rows, :, :width] = 0
+        self._vbuf[mine : mine + rows, :, :width] = 0
         if keys is not None:
-            self._kbuf[mine : mine + rows, :, :used] = keys
-            self._vbuf[mine : mine + rows, :, :used] = values
-        self._kbuf[mine : mine + rows, :, used:width] = 0
-        self._vbuf[mine : mine + rows, :, used:width] = 0
+            self._kbuf[mine : mine + rows, :, lo : lo + used] = keys
+            self._vbuf[mine : mine + rows, :, lo : lo + used] = values
         total = mine + rows
         self.keys, self.values = self._kbuf[:total, :, :width], self._vbuf[:total, :, :width]
 

@@ -78,10 +78,10 @@ class RowGroups:
 
     @property
     def slots(self) -> float:
-        """Slots a row's query attends over, averaged over rows (each group's padded width)."""
+        """Slots a row's query attends over, averaged over rows (`CausalLM.attended_slots` of each group)."""
         if not self.batch_size:
             return float(self.lead.valid.shape[1])
-        return sum(lm.batch_size * int(lm.valid.shape[1]) for lm in self.groups) / self.batch_size
+        return sum(lm.batch_size * lm.attended_slots() for lm in self.groups if lm.batch_size) / self.batch_size
 
     @property
     def cached_slots(self) -> int:

@@ -5,8 +5,10 @@ The cache is one HF `DynamicCache` for the whole batch, whose layers append in p
 every row; rows with fewer new tokens pad, and a key-validity mask (passed as the 2-D `attention_mask`)
 hides the padding. Explicit per-row `position_ids` keep RoPE at each request's true positions. Rolling a
 row back marks its rejected slots invalid; when holes waste too much memory the cache is compacted by
-gathering each row's valid slots to the left. Causality follows slot order, and a row's valid slots are
-always in token order, so attention sees exactly the row's accepted text.
+gathering each row's valid slots to the right end. Rows joining the batch are placed with their slots ending
+at its right end too, so a short row's text starts far right and attention over it skips the slots before
+(`dspark.attention`'s row segments). Causality follows slot order, and a row's valid slots are always in
+token order, so attention sees exactly the row's accepted text.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from dspark.attention import segments_for
 from dspark.kv_cache import HeadroomLayer, new_cache
 from dspark.packed import PackedGroup, PackedPass, disable_packing, enable_packing
 
@@ -219,21 +222,23 @@ class CausalLM:
     def extend(self, other: "CausalLM") -> None:
         """Append `other`'s rows after this wrapper's rows (new requests join the batch); `other` is emptied.
 
-        The shorter side's slots are padded with invalid slots, so every row keeps exactly its own text.
+        The narrower side is padded on the left with invalid slots, so every row keeps exactly its own text and
+        every row's slots end at the cache's right end (the running rows are copied once where a wider batch
+        joins them).
         """
         if other.batch_size == 0:
             return
         width = max(self.valid.shape[1], other.valid.shape[1])
         pad = torch.nn.functional.pad
-        valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
-                           pad(other.valid, (0, width - other.valid.shape[1]))], 0)
+        valid = torch.cat([pad(self.valid, (width - self.valid.shape[1], 0)),
+                           pad(other.valid, (width - other.valid.shape[1], 0))], 0)
         if self.cache is not None and all(isinstance(layer, HeadroomLayer) and layer.keys is not None
                                           and layer.keys.dim() == 4 for layer in self.cache.layers):
             # in place where the layers have spare rows and slots: only the joining rows are written
             for i, layer in enumerate(self.cache.layers):
                 theirs = other.cache.layers[i] if other.cache is not None else None
                 layer.extend_rows(None if theirs is None else theirs.keys, None if theirs is None else theirs.values,
-                                  other.batch_size, width)
+                                  other.batch_size, width, right=True)
         elif self.cache is not None or other.cache is not None:
             ref = self.cache if self.cache is not None else other.cache
             merged = new_cache(self.model.config)
@@ -242,7 +247,7 @@ class CausalLM:
                 if isinstance(layer, HeadroomLayer):
                     layer.stack_rows([(None, None, side.batch_size) if side.cache is None else
                                       (side.cache.layers[i].keys, side.cache.layers[i].values, side.batch_size)
-                                      for side in (self, other)], width)
+                                      for side in (self, other)], width, right=True)
                     continue
                 parts_k, parts_v = [], []
                 for side in (self, other):
@@ -250,10 +255,10 @@ class CausalLM:
                         shape = (side.batch_size, k.shape[1], width, k.shape[3])
                         parts_k.append(k.new_zeros(shape))
                         parts_v.append(v.new_zeros((side.batch_size, v.shape[1], width, v.shape[3])))
-                    else:
+                    else:  # every row's slots end at the cache's right end, as `valid` has them
                         sk, sv = side.cache.layers[i].keys, side.cache.layers[i].values
-                        parts_k.append(pad(sk, (0, 0, 0, width - sk.shape[2])))
-                        parts_v.append(pad(sv, (0, 0, 0, width - sv.shape[2])))
+                        parts_k.append(pad(sk, (0, 0, width - sk.shape[2], 0)))
+                        parts_v.append(pad(sv, (0, 0, width - sv.shape[2], 0)))
                 keys, values = torch.cat(parts_k, 0), torch.cat(parts_v, 0)
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values
@@ -272,6 +277,25 @@ class CausalLM:
     def holes(self) -> int:
         """Slots per row that compaction would drop: the cache's width past its longest row."""
         return int(self.valid.shape[1]) - (int(self.lengths.max()) if self.batch_size else 0)
+
+    def first_slots(self) -> torch.Tensor:
+        """Each row's first valid slot (the cache's width for a row with none): where attention over it starts."""
+        width = int(self.valid.shape[1])
+        if width == 0:
+            return torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        return torch.where(self.valid.any(dim=1), self.valid.to(torch.int8).argmax(dim=1), width)
+
+    def attended_slots(self) -> float:
+        """Slots a query of a row attends over, averaged over rows: from the row's first valid slot to the cache's
+        end where attention runs in row segments (`dspark.attention`: packed attention on a CPU, grouped query
+        heads), the cache's width otherwise."""
+        width = int(self.valid.shape[1])
+        config = self.model.config
+        heads = int(getattr(config, "num_attention_heads", 0) or 0)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        if not self.batch_size or not (self.packs and segments_for(heads, kv_heads, self.device)):
+            return float(width)
+        return float(width - self.first_slots().float().mean())
 
     def compact_price(self) -> float | None:
         """Seconds a compaction of the cache as it is would take, from the ones measured (None: none yet)."""
@@ -293,8 +317,10 @@ class CausalLM:
 
     def _compact(self) -> None:
         width = int(self.lengths.max()) if self.batch_size else 0
-        # Valid slots first (stable, so token order is kept), then the rest.
-        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]
+        # Invalid slots first, then the valid ones (stable, so token order is kept): every row's text ends at the
+        # cache's right end, and its first slot is as far right as its length allows (attention over a row
+        # starts there: `dspark.attention`'s row segments).
+        order = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, self.valid.shape[1] - width:]
         for layer in self.cache.layers:
             if isinstance(layer, HeadroomLayer):
                 layer.gather_slots(order)
@@ -302,7 +328,7 @@ class CausalLM:
             gather = order.view(order.shape[0], 1, width, 1).expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, gather)
             layer.values = layer.values.gather(2, gather)
-        self.valid = torch.arange(width, device=self.device).view(1, -1) < self.lengths.view(-1, 1)
+        self.valid = torch.arange(width, device=self.device).view(1, -1) >= (width - self.lengths).view(-1, 1)
 
     def _maybe_compact(self) -> None:
         slots = self.valid.shape[1]
@@ -331,8 +357,8 @@ class CausalLM:
         # let its (padding) queries see their own slot instead. Those slots stay invalid afterwards.
         empty = ~mask.any(dim=1)
         attn_mask = mask.clone()
-        if bool(empty.any()):
-            attn_mask[empty] = True
+        if bool(empty.any()):  # the pass's first slot, which each of the row's queries may see
+            attn_mask[empty, self.valid.shape[1]] = True
         if self.cache is None:
             self.cache = new_cache(self.model.config)
         return _Pass(counts, width, new_valid, self.lengths.view(-1, 1) + offsets, mask, attn_mask)

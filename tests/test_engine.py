@@ -350,6 +350,56 @@ def test_cache_compaction_while_decoding_keeps_outputs(bundled_target, prompts, 
         assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens)
 
 
+def test_engine_outputs_stay_lossless_with_segments_everywhere(monkeypatch, bundled_target, dspark_drafter, prompts):
+    """Every attention call split wherever rows start apart (a kernel call priced at one slot): staggered
+    requests of mixed lengths, greedy beside sampled, drafted and rolled back; every greedy output equals its
+    standalone target-only decoding."""
+    import dspark.attention as attention
+
+    monkeypatch.setattr(attention, "SEGMENT_CALL_SLOTS", 1)
+    seen = []
+    real = attention.row_segments
+    monkeypatch.setattr(attention, "row_segments", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    engine = Engine(bundled_target, dspark_drafter, "fixed", config=EngineConfig(max_running=6, prefill_chunk=16))
+    requests = mixed_requests(prompts[:14], 14, seed=5)
+    run_staggered(engine, requests, [i // 2 for i in range(14)])
+    assert any(len(runs) > 1 for runs in seen)
+    for req in requests:
+        if req.sampling.greedy:
+            assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens), req.request_id
+
+
+
+def test_the_engine_sorts_its_rows_by_where_their_text_starts_and_stays_lossless(monkeypatch, bundled_target,
+                                                                                 dspark_drafter, prompts):
+    """Long and short prompts arriving in turn leave the running rows out of order of their first slots (a row
+    leaving is filled by the last one). The engine sorts them (target cache, drafter state, requests) where
+    attention's row segments then read fewer slots, and every greedy output equals its standalone decoding;
+    with `sort_rows` off nothing is reordered."""
+    import dspark.attention as attention
+    import dspark.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SORT_EVERY", 1)
+    monkeypatch.setattr(engine_module, "SORT_GAIN", 0.01)
+    monkeypatch.setattr(attention, "SEGMENT_CALL_SLOTS", 200)  # a kernel call costs what a row does here
+    long_prompt = max(prompts, key=len) * 2
+    mixed = [long_prompt if i % 3 == 0 else p for i, p in enumerate(prompts[:20])]
+    for sort in (True, False):
+        engine = Engine(bundled_target, dspark_drafter, "fixed",
+                        config=EngineConfig(max_running=8, prefill_chunk=64, sort_rows=sort))
+        requests = [Request(p, SamplingParams() if i % 2 == 0 else SamplingParams(1.0, seed=i),
+                            max_tokens=(12, 20, 28, 36)[i % 4]) for i, p in enumerate(mixed)]
+        unsorted = []
+        run_staggered(engine, requests, [i // 6 for i in range(20)],
+                      lambda eng, _: unsorted.append(eng.rows.groups[0].first_slots().tolist()))
+        if sort:
+            assert engine.row_sorts > 0
+        else:
+            assert engine.row_sorts == 0 and any(first != sorted(first) for first in unsorted)
+        for req in requests:
+            if req.sampling.greedy:
+                assert req.output_ids == standalone(bundled_target, req.prompt_ids, req.max_tokens), req.request_id
+
 def test_the_kv_budget_bounds_the_slots_the_cache_allocates(bundled_target, dspark_drafter, prompts):
     """Rows are padded to the widest: mixed long and short requests arriving over time must never make the
     target's caches (decoding and prefilling rows together) allocate more slots than kv_budget_tokens, and

@@ -55,6 +55,7 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 
+from dspark.attention import segment_cost
 from dspark.drafters.base import DraftBlock, Drafter, NoDrafter, RoundOutcome, drafter_gamma
 from dspark.engine.prefill import fused_prefill_width, prefill_width
 from dspark.engine.rate_guard import RateGuard
@@ -70,6 +71,8 @@ from dspark.verify import verify
 
 log = logging.getLogger("dspark.engine")
 DRAFT_BACKOFF_MAX = 64  # rounds drafting stays paused at most after a slow drafting call
+SORT_EVERY = 8  # steps between looks at whether sorting the running rows pays (`EngineConfig.sort_rows`)
+SORT_GAIN = 0.2  # the share of attention's row × slot pairs a sort must save
 LATE_WARMUP = 8  # rounds a row whose drafter context started late (`Drafter.join_late`) goes undrafted
 
 
@@ -87,8 +90,9 @@ class StepInfo:
     query tokens in the cost model's layout. predicted_seconds: the cost model's figure for this round before it
     was measured (online correction included; None without a cost model). started: perf_counter() when the step
     began (the gap to the previous step's end is time the engine thread spent outside `step`). kv_slots: the
-    target cache's slots per row before the round's pass (what its attention spans: holes left by rolled-back
-    drafts and the rows' differing lengths included; averaged over rows where they are in several groups);
+    target cache's slots a row attends over before the round's pass, averaged over rows (holes left by
+    rolled-back drafts included; from each row's first slot on where attention runs in row segments, the
+    cache's width otherwise: `CausalLM.attended_slots`);
     kv_live: the tokens the rows hold (their lengths summed); join_seconds: the part of prefill_seconds spent
     moving finished prefills into the batch (target cache and drafter state). prefill_slots: the prefill pass's
     prefilling rows × its width (prefill_tokens plus padding).
@@ -203,6 +207,11 @@ class EngineConfig:
     cost (rent or buy; the fitted seconds per query token per slot, `dspark.pass_fit`), besides the cache's own
     rule (holes past max(64, longest / 2)). Off by default: it cuts the slots rows attend over, but served and
     paired runs left its effect on throughput unsettled (benchmarks/results/serving/paid_compaction/).
+    sort_rows: every SORT_EVERY steps, order the running rows by the slot their text starts at where attention
+    in row segments (`dspark.attention.segment_cost`: row × slot pairs read, plus kernel calls) would then cost
+    at least SORT_GAIN less: the rows of like length sit together, and a short row's queries skip the slots
+    before its text. The caches copy every
+    row once per sort (a permutation, as `select` makes it). One padded cache only (`row_groups` = 1).
     row_groups: padded caches the running rows may be split over by length (`dspark.row_groups`: a long
     prompt in a group of its own instead of widening every row); 1 (the default) keeps every row in one cache.
     Opt-in: in paired blocks at 32 clients, temperature 1, two groups left `none` level and `dspark` within the
@@ -224,6 +233,7 @@ class EngineConfig:
     pass_fit: bool = True
     paid_compaction: bool = False
     row_groups: int = 1
+    sort_rows: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_waiting", "prefill_chunk", "row_groups"):
@@ -306,6 +316,8 @@ class Engine:
             cost_model is not None and self.config.online_cost and self.config.pass_fit))
         self._hole_rent = 0.0  # seconds of attention the cache's holes cost since its last compaction
         self._compactions_seen = self.rows.compactions
+        self._since_sort = 0  # steps since the rows were last considered for sorting
+        self.row_sorts = 0  # times the running rows were reordered (`EngineConfig.sort_rows`)
 
     # ------------------------------------------------------------------ requests in and out
     def check(self, request: Request) -> None:
@@ -377,6 +389,7 @@ class Engine:
         self._drop_cancelled(outputs)
         self._rejudge_load()
         self._update_sleep()
+        self._sort_rows()
         self._admit()
         prefill_start = time.perf_counter()
         self._join_seconds, self._prefill_slots = 0.0, 0
@@ -927,6 +940,36 @@ class Engine:
                 self._finish(req, reason, outputs)
             else:
                 self._release(req)
+
+    def _sort_rows(self) -> None:
+        """Order the running rows by the slot their text starts at, where attention's row segments then read
+        SORT_GAIN fewer pairs than in the order they are in (`EngineConfig.sort_rows`)."""
+        if not self.config.sort_rows or len(self.running) < 2 or len(self.rows.groups) != 1:
+            return
+        self._since_sort += 1
+        if self._since_sort < SORT_EVERY:
+            return
+        self._since_sort = 0
+        target = self.rows.groups[0]
+        first = target.first_slots().tolist()
+        slots = int(target.valid.shape[1])
+        order = sorted(range(len(first)), key=first.__getitem__)
+        if segment_cost([first[r] for r in order], slots) > (1 - SORT_GAIN) * segment_cost(first, slots):
+            return
+        self._reorder(order)
+        self.row_sorts += 1
+
+    def _reorder(self, order: list[int]) -> None:
+        """Put the running rows in `order` (a permutation of them): target cache, drafter state, requests."""
+        self.rows.select(order)
+        if not self._asleep:
+            sighted = self._sighted(self.running)
+            if sighted is None:
+                self.drafter.select(order)
+            else:  # the drafter's rows are the sighted rows, in order
+                slot = {r: d for d, r in enumerate(sighted)}
+                self.drafter.select([slot[r] for r in order if r in slot])
+        self.running = [self.running[r] for r in order]
 
     def _finish(self, req: Request, reason: str, outputs: list[RequestOutput]) -> None:
         req.finish_reason = reason
