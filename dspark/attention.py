@@ -35,8 +35,9 @@ import torch.nn.functional as F
 
 _enabled = True
 _segmenting = True
-#: what one more kernel call costs, in row × slot pairs of attention (one query per row; 2 CPU cores, bundled
-#: target: about 30 µs against 33 ns per pair, benchmarks/attention_segments.py)
+#: what one more kernel call costs, in row × slot pairs of attention: on the bundled target, 1 thread, 11 µs a
+#: call against 33.5 ns a pair for one query a row, 335 pairs (benchmarks/attention_segments.py); set at about
+#: twice that, since a call in a pass also slices the mask and writes its output
 SEGMENT_CALL_SLOTS = 768
 
 

@@ -103,3 +103,30 @@ def test_a_model_gives_the_same_logits_with_and_without_segments(monkeypatch):
     for got, want in zip(segmented, plain):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
+
+
+def test_the_segments_benchmark_reports_every_cell(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "attention_segments", Path(__file__).resolve().parent.parent / "benchmarks" / "attention_segments.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "segments.txt"
+    bench.main(["--rows", "4", "--long", "60", "--short", "10", "--queries", "1", "2", "--reps", "1",
+                "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [(c["rows"], c["queries"]) for c in report["cells"]] == [(4, 1), (4, 2)]
+    assert all(c["segmented_pairs"] <= c["pairs"] and c["segmented_ms"] > 0 for c in report["cells"])
+    assert report["call_us"] != 0 and "a call costs" in out.read_text()
+
+
+def test_serve_sorts_rows_unless_told_not_to():
+    from dspark.cli import build_parser
+    from dspark.serving.cli import engine_config
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).sort_rows is True
+    assert engine_config(parse(["serve", "--no-sort-rows"])).sort_rows is False

@@ -926,15 +926,7 @@ class Engine:
         for hole, mover in zip((r for r in range(left) if r in gone), movers):
             keep[hole] = mover
         leaving = [self.running[r] for r in rows]
-        self.rows.select(keep)
-        if not self._asleep:
-            sighted = self._sighted(self.running)
-            if sighted is None:
-                self.drafter.select(keep)
-            else:  # the drafter's rows are the sighted rows, in order
-                slot = {r: d for d, r in enumerate(sighted)}
-                self.drafter.select([slot[r] for r in keep if r in slot])
-        self.running = [self.running[r] for r in keep]
+        self._keep_rows(keep)
         for req in leaving:
             if reason is not None:
                 self._finish(req, reason, outputs)
@@ -956,20 +948,20 @@ class Engine:
         order = sorted(range(len(first)), key=first.__getitem__)
         if segment_cost([first[r] for r in order], slots) > (1 - SORT_GAIN) * segment_cost(first, slots):
             return
-        self._reorder(order)
+        self._keep_rows(order)
         self.row_sorts += 1
 
-    def _reorder(self, order: list[int]) -> None:
-        """Put the running rows in `order` (a permutation of them): target cache, drafter state, requests."""
-        self.rows.select(order)
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Keep the running rows `keep`, in that order: target cache, drafter state, requests."""
+        self.rows.select(keep)
         if not self._asleep:
             sighted = self._sighted(self.running)
             if sighted is None:
-                self.drafter.select(order)
+                self.drafter.select(keep)
             else:  # the drafter's rows are the sighted rows, in order
                 slot = {r: d for d, r in enumerate(sighted)}
-                self.drafter.select([slot[r] for r in order if r in slot])
-        self.running = [self.running[r] for r in order]
+                self.drafter.select([slot[r] for r in keep if r in slot])
+        self.running = [self.running[r] for r in keep]
 
     def _finish(self, req: Request, reason: str, outputs: list[RequestOutput]) -> None:
         req.finish_reason = reason

@@ -69,6 +69,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--row-groups", type=int, default=1,
                    help="padded KV caches the running rows may be split over by length, so that a long prompt "
                         "does not widen every short row's attention (default: 1, one cache; 2: split)")
+    s.add_argument("--sort-rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="order the running rows by where their text starts when attention in row segments then "
+                        "reads fewer slots (default: on)")
     s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
                    help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
                         "says plain decoding is faster (default: off; the cost model decides)")
@@ -96,7 +99,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         online_cost=not args.no_online_cost, kv_budget_tokens=args.kv_budget_tokens,
                         rate_guard=args.rate_guard, drafter_sleep=args.drafter_sleep,
                         fuse_prefill=args.fuse_prefill, pass_fit=args.pass_fit,
-                        paid_compaction=args.paid_compaction, row_groups=args.row_groups)
+                        paid_compaction=args.paid_compaction, row_groups=args.row_groups,
+                        sort_rows=args.sort_rows)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
