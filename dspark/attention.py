@@ -52,6 +52,12 @@ def unfolded() -> Iterator[None]:
         _enabled = before
 
 
+def set_segmenting(enabled: bool) -> None:
+    """Switch row segments on or off for the whole process (`dspark serve --no-row-segments`)."""
+    global _segmenting
+    _segmenting = bool(enabled)
+
+
 @contextmanager
 def unsegmented() -> Iterator[None]:
     """Within it, `gqa_attention` runs one call over every row (no row segments; for comparisons)."""

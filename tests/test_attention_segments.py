@@ -129,4 +129,4 @@ def test_serve_sorts_rows_unless_told_not_to():
 
     parse = build_parser().parse_args
     assert engine_config(parse(["serve"])).sort_rows is True
-    assert engine_config(parse(["serve", "--no-sort-rows"])).sort_rows is False
+    assert engine_config(parse(["serve", "--no-row-segments"])).sort_rows is False

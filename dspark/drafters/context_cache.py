@@ -57,16 +57,18 @@ class ContextCache:
             self.compact()
 
     def compact(self) -> None:
-        """Move each row's valid slots to the left and drop unused slots."""
+        """Move each row's valid slots to the right end and drop unused slots (every row's context then ends at
+        the cache's end, and attention over a short row starts far right: `dspark.attention`'s row segments)."""
         width = int(self.lengths.max())
-        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]
+        order = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, self.valid.shape[1] - width:]
         for layer in self.layers:
             layer.gather_slots(order)
-        self.valid = torch.arange(width, device=self.valid.device).view(1, -1) < self.lengths.view(-1, 1)
+        self.valid = torch.arange(width, device=self.valid.device).view(1, -1) >= (width - self.lengths).view(-1, 1)
         self.dense = bool(self.valid.all())
 
     def extend(self, other: "ContextCache") -> None:
-        """Append the rows of `other` after these rows, padding the shorter side's slots (masked)."""
+        """Append the rows of `other` after these rows, padding the narrower side's slots on the left (masked), so
+        that every row's context ends at the cache's end."""
         if not other.layers:
             return
         if not self.layers:
@@ -76,10 +78,10 @@ class ContextCache:
         width = max(self.valid.shape[1], other.valid.shape[1])
         rows = int(other.lengths.shape[0])
         for mine, theirs in zip(self.layers, other.layers):
-            mine.extend_rows(theirs.keys, theirs.values, rows, width)
+            mine.extend_rows(theirs.keys, theirs.values, rows, width, right=True)
         pad = torch.nn.functional.pad
-        self.valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
-                                pad(other.valid, (0, width - other.valid.shape[1]))], 0)
+        self.valid = torch.cat([pad(self.valid, (width - self.valid.shape[1], 0)),
+                                pad(other.valid, (width - other.valid.shape[1], 0))], 0)
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.offsets = torch.cat([self.offsets, other.offsets])
         self.dense = bool(self.valid.all())

@@ -69,9 +69,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--row-groups", type=int, default=1,
                    help="padded KV caches the running rows may be split over by length, so that a long prompt "
                         "does not widen every short row's attention (default: 1, one cache; 2: split)")
-    s.add_argument("--sort-rows", action=argparse.BooleanOptionalAction, default=True,
-                   help="order the running rows by where their text starts when attention in row segments then "
-                        "reads fewer slots (default: on)")
+    s.add_argument("--row-segments", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CPU, split attention into runs of rows over the slots from their first one, and order "
+                        "the running rows by where their text starts when that reads fewer slots (default: on)")
     s.add_argument("--rate-guard", action=argparse.BooleanOptionalAction, default=False,
                    help="adaptive schedulers: also turn drafting off for whole windows when measured throughput "
                         "says plain decoding is faster (default: off; the cost model decides)")
@@ -100,7 +100,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         rate_guard=args.rate_guard, drafter_sleep=args.drafter_sleep,
                         fuse_prefill=args.fuse_prefill, pass_fit=args.pass_fit,
                         paid_compaction=args.paid_compaction, row_groups=args.row_groups,
-                        sort_rows=args.sort_rows)
+                        sort_rows=args.row_segments)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -109,6 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from dspark.api import load_drafter, load_target, step_cost_model
     from dspark.arguments import serving_threads
+    from dspark.attention import set_segmenting
     from dspark.drafters.base import drafter_gamma
     from dspark.engine import Engine
     from dspark.engine.steplog import StepLog, chain
@@ -127,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads = serving_threads(args.device, args.threads)
     if threads is not None:
         torch.set_num_threads(threads)
+    set_segmenting(args.row_segments)
     target = load_target(args.target, args.dtype, args.device)
     drafter = load_drafter(args.drafter, target)
     gamma = drafter_gamma(drafter)
