@@ -142,17 +142,17 @@ class HeadroomLayer(DynamicLayer):
     def stack_rows(self, parts: list[tuple[torch.Tensor | None, torch.Tensor | None, int]], width: int,
                    right: bool = False) -> None:
         """Become the rows of `parts` one after another ([(keys, values, rows)], keys None for rows that never
-        ran a pass), each padded with zero slots to `width` (right: padded on the left, every part's slots ending
-        at `width`); copied once into a buffer with room to grow."""
+        ran a pass), each padded with zero slots to `width` (right: every part after the first padded on the
+        left, its slots ending at `width`); copied once into a buffer with room to grow."""
         like_k = next(k for k, _, _ in parts if k is not None)
         like_v = next(v for _, v, _ in parts if v is not None)
         if self.keys is None or self.keys.dim() != 4:
             self.keys, self.values = like_k, like_v
         keys, values = self._fresh(sum(n for _, _, n in parts), width)
         start = 0
-        for k, v, n in parts:
+        for i, (k, v, n) in enumerate(parts):
             used = 0 if k is None else k.shape[2]
-            lo = width - used if right else 0
+            lo = width - used if right and i else 0
             keys[start : start + n] = 0  # padding slots are masked; zeros keep them finite
             values[start : start + n] = 0
             if k is not None:
@@ -167,15 +167,14 @@ class HeadroomLayer(DynamicLayer):
     def extend_rows(self, keys: torch.Tensor | None, values: torch.Tensor | None, rows: int, width: int,
                     right: bool = False) -> None:
         """Append `rows` rows (their keys / values, None for rows that never ran a pass) after this layer's rows,
-        every row padded with zero slots to `width` (right: padded on the left, every row's slots ending at
-        `width`). In place when the buffers have the spare rows and slots (only the new rows and the widened
-        slots are written) and, right-aligned, this layer's rows already span `width`; otherwise re-homed with
+        every row padded with zero slots to `width` (right: the new rows padded on the left, their slots ending
+        at `width`; this layer's rows are padded on the right either way). In place when the buffers have the
+        spare rows and slots (only the new rows and the widened slots are written); otherwise re-homed with
         `stack_rows`."""
         if self.keys is None or self.keys.dim() != 4:
             raise ValueError("extend_rows needs a layer that has run a pass")
         mine, have = self.keys.shape[0], self.keys.shape[2]
-        if not (self._holds_views() and mine + rows <= self._kbuf.shape[0] and have <= width <= self._kbuf.shape[2]
-                and not (right and have < width)):
+        if not (self._holds_views() and mine + rows <= self._kbuf.shape[0] and have <= width <= self._kbuf.shape[2]):
             self.stack_rows([(self.keys, self.values, mine), (keys, values, rows)], width, right=right)
             return
         for buf in (self._kbuf, self._vbuf):

@@ -222,15 +222,16 @@ class CausalLM:
     def extend(self, other: "CausalLM") -> None:
         """Append `other`'s rows after this wrapper's rows (new requests join the batch); `other` is emptied.
 
-        The narrower side is padded on the left with invalid slots, so every row keeps exactly its own text and
-        every row's slots end at the cache's right end (the running rows are copied once where a wider batch
-        joins them).
+        Both sides are padded with invalid slots, so every row keeps exactly its own text: the joining rows on
+        the left, their slots ending at the cache's right end; these rows, where the joining batch is wider, on
+        the right, in place (shifting them would copy the cache; the gap is masked and goes at the next
+        compaction, which gathers every row's slots to the right end).
         """
         if other.batch_size == 0:
             return
         width = max(self.valid.shape[1], other.valid.shape[1])
         pad = torch.nn.functional.pad
-        valid = torch.cat([pad(self.valid, (width - self.valid.shape[1], 0)),
+        valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
                            pad(other.valid, (width - other.valid.shape[1], 0))], 0)
         if self.cache is not None and all(isinstance(layer, HeadroomLayer) and layer.keys is not None
                                           and layer.keys.dim() == 4 for layer in self.cache.layers):
@@ -255,10 +256,11 @@ class CausalLM:
                         shape = (side.batch_size, k.shape[1], width, k.shape[3])
                         parts_k.append(k.new_zeros(shape))
                         parts_v.append(v.new_zeros((side.batch_size, v.shape[1], width, v.shape[3])))
-                    else:  # every row's slots end at the cache's right end, as `valid` has them
+                    else:  # the joining rows' slots end at the cache's right end, as `valid` has them
                         sk, sv = side.cache.layers[i].keys, side.cache.layers[i].values
-                        parts_k.append(pad(sk, (0, 0, width - sk.shape[2], 0)))
-                        parts_v.append(pad(sv, (0, 0, width - sv.shape[2], 0)))
+                        gap = (0, 0, 0, width - sk.shape[2]) if side is self else (0, 0, width - sk.shape[2], 0)
+                        parts_k.append(pad(sk, gap))
+                        parts_v.append(pad(sv, gap))
                 keys, values = torch.cat(parts_k, 0), torch.cat(parts_v, 0)
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values

@@ -67,8 +67,8 @@ class ContextCache:
         self.dense = bool(self.valid.all())
 
     def extend(self, other: "ContextCache") -> None:
-        """Append the rows of `other` after these rows, padding the narrower side's slots on the left (masked), so
-        that every row's context ends at the cache's end."""
+        """Append the rows of `other` after these rows, padding the narrower side's slots (masked): the joining
+        rows on the left, so that their context ends at the cache's end; these rows on the right (in place)."""
         if not other.layers:
             return
         if not self.layers:
@@ -80,7 +80,7 @@ class ContextCache:
         for mine, theirs in zip(self.layers, other.layers):
             mine.extend_rows(theirs.keys, theirs.values, rows, width, right=True)
         pad = torch.nn.functional.pad
-        self.valid = torch.cat([pad(self.valid, (width - self.valid.shape[1], 0)),
+        self.valid = torch.cat([pad(self.valid, (0, width - self.valid.shape[1])),
                                 pad(other.valid, (width - other.valid.shape[1], 0))], 0)
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.offsets = torch.cat([self.offsets, other.offsets])
