@@ -107,15 +107,19 @@ def segment_cost(first: list[int], slots: int, call_slots: int | None = None) ->
     return sum((b - a) * (slots - lo) for a, b, lo in runs) + call_slots * (len(runs) - 1)
 
 
+def _folding(heads: int, kv_heads: int, device: torch.device) -> bool:
+    """Whether `gqa_attention` folds calls with these heads on `device`: grouped heads, on CPU."""
+    return _enabled and kv_heads < heads and heads % kv_heads == 0 and device.type == "cpu"
+
+
 def segments_for(heads: int, kv_heads: int, device: torch.device) -> bool:
     """Whether `gqa_attention` splits calls of a model with these heads on `device` into row segments."""
-    return _segmenting and _enabled and kv_heads < heads and heads % kv_heads == 0 and device.type == "cpu"
+    return _segmenting and _folding(heads, kv_heads, device)
 
 
 def folds(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether `gqa_attention` folds this call: grouped heads, on CPU."""
-    heads, kv_heads = query.shape[1], key.shape[1]
-    return _enabled and kv_heads < heads and heads % kv_heads == 0 and query.device.type == "cpu"
+    return _folding(query.shape[1], key.shape[1], query.device)
 
 
 def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -134,7 +138,7 @@ def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     runs = None
     if mask is not None:
         mask, runs = _folded_mask(mask, heads, kv_heads, n, query.dtype)
-    if runs is None or len(runs) == 1 and runs[0][2] == 0 or not _segmenting or mask.shape[0] != batch:
+    if runs is None or len(runs) == 1 and runs[0][2] == 0 or mask.shape[0] != batch:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
         return out.view(batch, heads, n, dim)
     out = q.new_empty(batch, kv_heads, groups * n, value.shape[-1])
@@ -152,10 +156,10 @@ _last: tuple[torch.Tensor, tuple, torch.Tensor, list | None] | None = None
 def _folded_mask(mask: torch.Tensor, heads: int, kv_heads: int, n: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, list[tuple[int, int, int]] | None]:
     """mask [B, 1 or H, n or 1, S] → additive [B, 1 or KV, G·n, S] in `dtype` (0: attend, -inf: not), and the
-    row segments its rows' first attended slots call for (`row_segments`; None where the call reads fewer pairs
-    than one more call costs)."""
+    row segments its rows' first attended slots call for (`row_segments`; None with segments off or where the
+    call reads fewer pairs than one more call costs)."""
     global _last
-    key = (heads, kv_heads, n, dtype)
+    key = (heads, kv_heads, n, dtype, _segmenting)
     if _last is not None and _last[0] is mask and _last[1] == key:
         return _last[2], _last[3]
     if mask.dim() != 4:
@@ -163,7 +167,7 @@ def _folded_mask(mask: torch.Tensor, heads: int, kv_heads: int, n: int, dtype: t
     groups = heads // kv_heads
     b, h, _, slots = mask.shape
     runs = None
-    if slots * b > SEGMENT_CALL_SLOTS:
+    if _segmenting and slots * b > SEGMENT_CALL_SLOTS:
         seen = mask if mask.dtype == torch.bool else mask > float("-inf")
         seen = seen.reshape(b, -1, slots).any(dim=1)
         first = torch.where(seen.any(dim=1), seen.to(torch.int8).argmax(dim=1), 0)

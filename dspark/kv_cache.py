@@ -153,11 +153,12 @@ class HeadroomLayer(DynamicLayer):
         for i, (k, v, n) in enumerate(parts):
             used = 0 if k is None else k.shape[2]
             lo = width - used if right and i else 0
-            keys[start : start + n] = 0  # padding slots are masked; zeros keep them finite
-            values[start : start + n] = 0
-            if k is not None:
-                keys[start : start + n, :, lo : lo + used] = k
-                values[start : start + n, :, lo : lo + used] = v
+            for buf, src in ((keys, k), (values, v)):
+                rows = buf[start : start + n]
+                rows[:, :, :lo] = 0  # padding slots are masked; zeros keep them finite
+                rows[:, :, lo + used :] = 0
+                if src is not None:
+                    rows[:, :, lo : lo + used] = src
             start += n
         self.keys, self.values = keys, values
         if not self.is_initialized:
@@ -181,11 +182,12 @@ class HeadroomLayer(DynamicLayer):
             buf[:mine, :, have:width] = 0  # padding slots are masked; zeros keep them finite
         used = 0 if keys is None else keys.shape[2]
         lo = width - used if right else 0
-        self._kbuf[mine : mine + rows, :, :width] = 0
-        self._vbuf[mine : mine + rows, :, :width] = 0
-        if keys is not None:
-            self._kbuf[mine : mine + rows, :, lo : lo + used] = keys
-            self._vbuf[mine : mine + rows, :, lo : lo + used] = values
+        for buf, src in ((self._kbuf, keys), (self._vbuf, values)):
+            new = buf[mine : mine + rows]
+            new[:, :, :lo] = 0  # padding slots are masked; zeros keep them finite
+            new[:, :, lo + used : width] = 0
+            if src is not None:
+                new[:, :, lo : lo + used] = src
         total = mine + rows
         self.keys, self.values = self._kbuf[:total, :, :width], self._vbuf[:total, :, :width]
 

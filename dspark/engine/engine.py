@@ -72,7 +72,7 @@ from dspark.verify import verify
 log = logging.getLogger("dspark.engine")
 DRAFT_BACKOFF_MAX = 64  # rounds drafting stays paused at most after a slow drafting call
 SORT_EVERY = 8  # steps between looks at whether sorting the running rows pays (`EngineConfig.sort_rows`)
-SORT_GAIN = 0.2  # the share of attention's row × slot pairs a sort must save
+SORT_GAIN = 0.2  # the share of attention's segment cost (`dspark.attention.segment_cost`) a sort must save
 LATE_WARMUP = 8  # rounds a row whose drafter context started late (`Drafter.join_late`) goes undrafted
 
 
@@ -210,8 +210,8 @@ class EngineConfig:
     sort_rows: every SORT_EVERY steps, order the running rows by the slot their text starts at where attention
     in row segments (`dspark.attention.segment_cost`: row × slot pairs read, plus kernel calls) would then cost
     at least SORT_GAIN less: the rows of like length sit together, and a short row's queries skip the slots
-    before its text. The caches copy every
-    row once per sort (a permutation, as `select` makes it). One padded cache only (`row_groups` = 1).
+    before its text. The caches copy every row once per sort (a permutation, as `select` makes it). One padded
+    cache only (`row_groups` = 1).
     row_groups: padded caches the running rows may be split over by length (`dspark.row_groups`: a long
     prompt in a group of its own instead of widening every row); 1 (the default) keeps every row in one cache.
     Opt-in: in paired blocks at 32 clients, temperature 1, two groups left `none` level and `dspark` within the
@@ -934,8 +934,8 @@ class Engine:
                 self._release(req)
 
     def _sort_rows(self) -> None:
-        """Order the running rows by the slot their text starts at, where attention's row segments then read
-        SORT_GAIN fewer pairs than in the order they are in (`EngineConfig.sort_rows`)."""
+        """Order the running rows by the slot their text starts at, where attention's row segments then cost
+        SORT_GAIN less than in the order they are in (`EngineConfig.sort_rows`)."""
         if not self.config.sort_rows or len(self.running) < 2 or len(self.rows.groups) != 1:
             return
         self._since_sort += 1
