@@ -159,20 +159,25 @@ class Arm:
 
     def accounting(self) -> dict[str, float]:
         """Per decoding round served so far: the share that drafted and that planned, drafts verified and
-        accepted per row, drafts accepted per row that verified some (`per_drafted_round`), and the mean round
-        (drafting, scheduling, target pass, verification, commit) in ms."""
+        accepted per row, drafts accepted per row that verified some (`per_drafted_round`), the mean round
+        (drafting, scheduling, target pass, verification, commit) in ms with its drafting, scheduling and target
+        pass parts, and the mean width drafted in the rounds that drafted."""
         steps = self.steps
         rows = sum(i.batch for i in steps)
         if not steps or not rows:
             return {}
         drafted = [(n, a) for i in steps for n, a in zip(i.lengths, i.accepted) if n > 0]
+        widths = [i for i in steps if i.draft_width is not None]
         return {"rounds": len(steps), "drafted": sum(i.drafted for i in steps) / len(steps),
                 "per_drafted_round": sum(a for _, a in drafted) / len(drafted) if drafted else float("nan"),
                 "planned": sum(i.planned for i in steps) / len(steps),
                 "verified_per_row": sum(sum(i.lengths) for i in steps) / rows,
                 "accepted_per_row": sum(sum(i.accepted) for i in steps) / rows,
                 "round_ms": 1e3 * sum(i.seconds for i in steps) / len(steps),
-                "schedule_ms": 1e3 * sum(i.schedule_seconds for i in steps) / len(steps)}
+                "schedule_ms": 1e3 * sum(i.schedule_seconds for i in steps) / len(steps),
+                "draft_ms": 1e3 * sum(i.draft_seconds for i in steps) / len(steps),
+                "target_ms": 1e3 * sum(i.target_seconds for i in steps) / len(steps),
+                "draft_width": (sum(i.draft_width for i in widths) / len(widths)) if widths else float("nan")}
 
 
 def make_blocks(prompts: list[list[int]], size: int, count: int, seed_offset: int = 0
@@ -253,7 +258,7 @@ def main() -> int:
         lines.append(f"{spec:<16} {mean_rate:>9.1f} {m:>17.3f}x {m - half:>7.3f}-{m + half:.3f}  {first} {verdict}"
                      f", accepted {accepted[spec]:.2f}")
     lines.append("rounds per arm: share drafted / planned, drafts verified / accepted per row, mean round ms "
-                 "(scheduling part)")
+                 "(its drafting / scheduling / target pass parts), mean width drafted")
     summary["accounting"] = {}
     for arm in arms:
         acc = summary["accounting"][arm.spec] = arm.accounting()
@@ -261,7 +266,8 @@ def main() -> int:
             lines.append(f"{arm.spec:<16} {acc['rounds']:>6d} rounds, drafted {acc['drafted']:.2f} planned "
                          f"{acc['planned']:.2f}, verified {acc['verified_per_row']:.2f} accepted "
                          f"{acc['accepted_per_row']:.2f} per row, round {acc['round_ms']:.1f} ms "
-                         f"({acc['schedule_ms']:.2f})")
+                         f"({acc['draft_ms']:.1f} / {acc['schedule_ms']:.2f} / {acc['target_ms']:.1f}), "
+                         f"width {acc['draft_width']:.1f}")
     text = "\n".join(lines)
     print(text)
     if args.out:

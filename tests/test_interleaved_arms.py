@@ -35,6 +35,8 @@ def test_arms_serve_the_same_block_to_completion_at_their_concurrency() -> None:
         assert acc["rounds"] == len(arm.steps) > 0 and 0 < acc["drafted"] <= 1 and acc["round_ms"] > 0
         assert 0 < acc["verified_per_row"] <= most and acc["accepted_per_row"] <= acc["verified_per_row"]
         assert (acc["planned"] == 0) == (arm.spec == "fixed:3")  # only an adaptive arm plans
+        assert 0 < acc["draft_ms"] + acc["schedule_ms"] + acc["target_ms"] <= acc["round_ms"]
+        assert 1 <= acc["draft_width"] <= most if arm.spec == "fixed:3" else 1 <= acc["draft_width"] <= 7
     assert max(widths) == 2  # the closed loop keeps two running, never more
     with pytest.raises(ValueError, match=r"\+online or \+offline"):
         interleaved_arms.Arm("dspark+fast", "dspark", 1, 0.0, 4, None, False)

@@ -32,6 +32,9 @@ def test_greedy_peaks_are_the_softmax_max_of_greedy_rows_only() -> None:
     assert torch.allclose(peaks[greedy], expect[greedy], atol=1e-6)
     assert bool(torch.isnan(peaks[1]).all())
     assert greedy_peaks(logits, torch.zeros(3, dtype=torch.bool)) is None
+    every = greedy_peaks(logits.to(torch.bfloat16), torch.ones(3, dtype=torch.bool))  # all greedy: no row copy
+    assert every.dtype == torch.float32 and torch.allclose(every, torch.softmax(logits.to(torch.bfloat16).float(), -1)
+                                                           .amax(-1), atol=1e-6)
 
 
 def propose(drafter, target, ids, params: list[SamplingParams], peaks: bool = True):
