@@ -25,7 +25,9 @@ folding grouped query heads, `dspark.attention.unfolded`; `+unsegmented` runs ea
 every row at once and keeps the rows unsorted, `dspark.attention.unsegmented`, `EngineConfig.sort_rows`; `+onegroup` / `+twogroups` keep the running rows in
 one padded cache / split them in two by length, `EngineConfig.row_groups`; `+pathcut` plans a padded step
 by admitting single candidates instead of whole widths, `Scheduler.by_width`; `+refitperstep` lets the online
-calibrator refit as often as every step, `OnlineCalibrator(refit_steps=1)`); `--warmup` blocks run first and are not
+calibrator refit as often as every step, `OnlineCalibrator(refit_steps=1)`; `+oldfold` keeps one folded
+attention mask, known by its tensor object, as before the masks of a packed pass were each folded once,
+`dspark.attention.one_fold_kept`); `--warmup` blocks run first and are not
 counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
@@ -58,11 +60,12 @@ from serve_sweep import request_length  # noqa: E402
 
 from dspark.api import encode_prompt, load_drafter, load_target, step_cost_model
 from dspark.atomic import write_text_atomic
-from dspark.attention import unfolded, unsegmented
+from dspark.attention import one_fold_kept, unfolded, unsegmented
 from dspark.drafters.base import drafter_gamma
 from dspark.engine import Engine, EngineConfig, Request
 from dspark.evaluation.bench import load_eval_prompts
 from dspark.sampling import SamplingParams
+from dspark.serving.cli import freeze_heap
 from dspark.scheduling import CostModel, Scheduler
 
 # two-sided 95% Student t quantiles by degrees of freedom (beyond 30: the normal's)
@@ -89,12 +92,12 @@ class Arm:
         self.spec = spec
         name, *flags = spec.split("+")
         known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "unsegmented", "onegroup",
-                 "twogroups", "pathcut", "refitperstep")
+                 "twogroups", "pathcut", "refitperstep", "oldfold")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
                              f"+paidcompact (paid compaction), +unfolded (attention without folded query heads), +unsegmented (attention "
-                             f"without row segments) or "
+                             f"without row segments) or +oldfold (one folded mask kept, as before) or "
                              f"+onegroup / +twogroups (the running rows in one padded cache / split in two by length) or "
                              f"+pathcut (Algorithm 1 admitting single candidates in the padded layout) or "
                              f"+refitperstep (the online calibrator refitting as often as every step)")
@@ -121,6 +124,7 @@ class Arm:
         self.concurrency, self.temperature, self.ignore_eos = concurrency, temperature, ignore_eos
         self.unfolded = "unfolded" in flags
         self.unsegmented = "unsegmented" in flags
+        self.one_fold = "oldfold" in flags
         self.steps: list = []  # the StepInfo of every decoding round served (`accounting`)
         self.lengths = argparse.Namespace(max_tokens=max_tokens, length_spread=length_spread)
 
@@ -146,7 +150,8 @@ class Arm:
 
         while pending and running < self.concurrency:
             issue()
-        with unfolded() if self.unfolded else nullcontext(), unsegmented() if self.unsegmented else nullcontext():
+        with unfolded() if self.unfolded else nullcontext(), unsegmented() if self.unsegmented else nullcontext(), \
+                one_fold_kept() if self.one_fold else nullcontext():
             while running:
                 for out in self.engine.step():
                     tokens += len(out.token_ids)
@@ -218,6 +223,7 @@ def main() -> int:
                 args.online_calibration, length_spread=args.length_spread, ignore_eos=args.ignore_eos)
             for spec in args.arms]
     prompts = [encode_prompt(arms[0].target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
+    freeze_heap()  # as `dspark serve` does: no full garbage collection walks the arms' models inside a step
     size = args.block_requests * args.concurrency
     blocks = make_blocks(prompts, size, args.warmup + args.blocks, args.seed_offset)
     rates: dict[str, list[float]] = {a.spec: [] for a in arms}
