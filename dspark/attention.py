@@ -148,9 +148,27 @@ def gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     return out.view(batch, heads, n, value.shape[-1])
 
 
-# The last mask folded: the layers of one pass share their mask, so it is folded (and made additive), and its row
-# segments chosen, once a pass.
-_last: tuple[torch.Tensor, tuple, torch.Tensor, list | None] | None = None
+# The last masks folded, newest first: the layers of one pass share their mask, so it is folded (and made additive),
+# and its row segments chosen, once a pass. A packed pass alternates its groups' masks at every layer, so one entry
+# would miss at every call of such a pass (a fused prefill chunk beside the running rows: 24 folds and segment
+# choices a pass of 12 layers instead of 2).
+_FOLDED_KEPT = 4
+_kept = _FOLDED_KEPT
+_folded: list[tuple[torch.Tensor, tuple, torch.Tensor, list | None]] = []
+
+
+@contextmanager
+def one_fold_kept() -> Iterator[None]:
+    """Within it, only the last mask folded is kept, known by the tensor object (so the drafters' per-layer views
+    miss): how masks were folded before the cache kept several (for comparisons)."""
+    global _kept
+    before, _kept = _kept, 1
+    _folded.clear()
+    try:
+        yield
+    finally:
+        _kept = before
+        _folded.clear()
 
 
 def _folded_mask(mask: torch.Tensor, heads: int, kv_heads: int, n: int, dtype: torch.dtype
@@ -158,10 +176,14 @@ def _folded_mask(mask: torch.Tensor, heads: int, kv_heads: int, n: int, dtype: t
     """mask [B, 1 or H, n or 1, S] → additive [B, 1 or KV, G·n, S] in `dtype` (0: attend, -inf: not), and the
     row segments its rows' first attended slots call for (`row_segments`; None with segments off or where the
     call reads fewer pairs than one more call costs)."""
-    global _last
-    key = (heads, kv_heads, n, dtype, _segmenting)
-    if _last is not None and _last[0] is mask and _last[1] == key:
-        return _last[2], _last[3]
+    # a mask is known by its storage, shape and strides: the per-layer `mask.unsqueeze(1)` views of one pass hit,
+    # and a kept mask holds its storage, so no other mask can come to start there
+    key = (mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, heads, kv_heads, n, dtype, _segmenting)
+    if _kept == 1:  # `one_fold_kept`: the mask object itself, as before
+        key = (id(mask),) + key
+    for kept in _folded:
+        if kept[1] == key:
+            return kept[2], kept[3]
     if mask.dim() != 4:
         raise ValueError(f"attention mask must have 4 dimensions [B, 1 or H, n, S], got {tuple(mask.shape)}")
     groups = heads // kv_heads
@@ -180,5 +202,6 @@ def _folded_mask(mask: torch.Tensor, heads: int, kv_heads: int, n: int, dtype: t
         folded = torch.zeros(folded.shape, dtype=dtype, device=folded.device).masked_fill_(~folded, float("-inf"))
     else:
         folded = folded.to(dtype)
-    _last = (mask, key, folded, runs)
+    _folded.insert(0, (mask, key, folded, runs))
+    del _folded[_kept:]
     return folded, runs

@@ -64,6 +64,11 @@ class CostModel:
     stale_after: int = 32
     #: measurements over which a batch row's count of measurements halves (the level's reference row)
     REFERENCE_HALF_LIFE: ClassVar[int] = 64
+    #: a measurement over 2x (or under 1/2x) its cell's estimate moves the model as if it were 2x (1/2x), unless
+    #: the row's previous measurement deviated as far the same way: one stall of one pass (a 248 ms target pass
+    #: among 20 ms ones at 16 requests, in process beside three other engines) otherwise raised the drafted
+    #: cells 1.6x and backed drafting off for a whole block; a lasting change shows in two steps in a row
+    STALL_LOG: ClassVar[float] = math.log(2.0)
     #: seconds one more drafted slot adds to a drafted step, per profiled batch size (the drafting call's slope
     #: in its width, `dspark.profiling.profile_steps`); with `width`, a step drafting fewer slots than the
     #: profile did costs that much less (`width_saving`). Empty: the drafted width costs nothing
@@ -83,6 +88,8 @@ class CostModel:
     _reference: tuple | None = field(default=None, repr=False)
     _reference_base: tuple[float, float] = field(default=(0.0, 0.0), repr=False)
     _row_weights: dict[tuple, tuple[float, int]] = field(default_factory=dict, repr=False)
+    #: per batch row (drafted or plain), the sign of its last measurement's deviation beyond `STALL_LOG` (0: none)
+    _outliers: dict[tuple, int] = field(default_factory=dict, repr=False)
     #: seconds every step pays outside its round (prefill chunk, bookkeeping, the wait before the next step),
     #: learned online (`observe_overhead`) as a + c·B + b·T; its fixed part a + c·B is added to drafted and plain
     #: costs alike (the per-token part b·T cannot change a decision, see `dspark.step_overhead`)
@@ -306,9 +313,10 @@ class CostModel:
         moves the other too, while every row keeps its own offset from the table: serving inflates drafted
         rounds more than plain ones, by how much depending on the load. A new or stale entry learns its mean
         over its first 1 / alpha measurements (a running mean from its prior) without moving the level, so
-        costs learned at 64 requests do not leak into those of 4 requests. A ratio is clamped to [1/20, 20] so
-        one stall cannot swing the model; after a lasting change the correction is within 5% of it after about
-        ten steps.
+        costs learned at 64 requests do not leak into those of 4 requests. A ratio is clamped to [1/20, 20], and
+        one more than 2x away from its cell's estimate counts as 2x unless the row's last measurement was as
+        far off the same way (`STALL_LOG`), so one stall cannot swing the model; after a lasting change the
+        correction is within 5% of it after about ten steps.
         """
         if not (math.isfinite(seconds) and seconds > 0):
             return
@@ -331,8 +339,14 @@ class CostModel:
         chain = [key[:2], key] if len(key) == 3 else [key]  # the row first: a cell's parent
         before = {k: (self._cell_log(k, kind), self._runs(k)) for k in chain}
         self._count += 1
+        # a deviation beyond STALL_LOG from the cell's estimate counts only when the row's last one went as far the
+        # same way (a lasting change); alone it is taken as a stall and moves every entry as STALL_LOG would
+        off = log_ratio - before[key][0]
+        outlier = 0 if abs(off) <= self.STALL_LOG else (1 if off > 0 else -1)
+        stall = self.STALL_LOG if outlier and self._outliers.get(chain[0], 0) != outlier else math.inf
+        self._outliers[chain[0]] = outlier
         if first_kind or seen >= 1 / a:
-            kind_new = kind_now + a * (log_ratio - kind_now)
+            kind_new = kind_now + a * _capped(log_ratio - kind_now, stall)
         else:  # another kind's first measurements (a running mean) learn its own offset
             kind_new = kind_now + (log_ratio - kind_now) / (seen + 1)
         self._kinds[kind] = (kind_new, self._level, self._count, seen + 1)
@@ -343,7 +357,7 @@ class CostModel:
                 new = kind_new
             else:  # a running mean from the prior over a new (or stale) entry's first measurements, then
                 # forgetting; the first kind's entries (no prior but the table) forget from the start
-                new = now + (a if first_kind else max(a, 1 / (runs + 2))) * (log_ratio - now)
+                new = now + (a if first_kind else max(a, 1 / (runs + 2))) * _capped(log_ratio - now, stall)
             self._cells[k] = (new, parent_new, self._count, runs + 1)
             parent_new = new
         self._follow_reference(chain[0])
@@ -1168,6 +1182,11 @@ class Scheduler:
             self._look_ahead(num)
         else:
             self._backoff = 4
+
+
+def _capped(delta: float, bound: float) -> float:
+    """`delta` clipped to [-bound, bound]."""
+    return min(bound, max(-bound, delta))
 
 
 def _drafting_mean(a: np.ndarray, lim: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dspark.attention as attention
-from dspark.attention import gqa_attention, row_segments, segment_cost, unsegmented
+from dspark.attention import gqa_attention, one_fold_kept, row_segments, segment_cost, unsegmented
 from dspark.target import CausalLM
 from tests.conftest import tiny_qwen3
 from tests.test_attention import _reference
@@ -48,6 +48,34 @@ def test_segmented_attention_matches_one_call(monkeypatch, n):
         torch.testing.assert_close(gqa_attention(q, k, v, mask).double(), want, atol=1e-5, rtol=1e-5)
         with unsegmented():
             torch.testing.assert_close(gqa_attention(q, k, v, mask).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_masks_of_a_packed_pass_are_folded_once_each(monkeypatch):
+    """A packed pass alternates its groups' masks at every layer, and layers pass per-call views of one mask: each
+    mask is folded, and its segments chosen, once per pass, and every call still gets its own mask's output."""
+    monkeypatch.setattr(attention, "SEGMENT_CALL_SLOTS", 1)
+    chosen = []
+    monkeypatch.setattr(attention, "row_segments", lambda *a, **k: chosen.append(a) or row_segments(*a, **k))
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 6, 2, 16, generator=gen)
+    k, v = (torch.randn(4, 2, 30, 16, generator=gen) for _ in range(2))
+    masks = []
+    for first in ([0, 20, 21, 25], [10, 0, 28, 5]):
+        keep = torch.arange(30).view(1, -1) >= torch.tensor(first).view(-1, 1)
+        masks.append(keep.view(4, 1, 30).expand(4, 2, 30).clone())  # [B, n, S]; layers add the head axis
+    def three_layers():
+        for _ in range(3):  # three layers, two groups
+            for mask in masks:
+                view = mask.unsqueeze(1)  # a new tensor object per call, as the drafters' layers make
+                torch.testing.assert_close(gqa_attention(q, k, v, view).double(), _reference(q, k, v, view),
+                                           atol=1e-5, rtol=1e-5)
+
+    three_layers()
+    assert len(chosen) == 2
+    chosen.clear()
+    with one_fold_kept():  # the comparison switch: one mask kept, by its object, misses at every call
+        three_layers()
+    assert len(chosen) == 6
 
 
 def test_joins_and_compactions_align_rows_to_the_right():

@@ -512,6 +512,31 @@ def test_online_correction_is_bounded_against_garbage():
     assert cost.cost(1, 3) < before * 20 ** cost.alpha * 1.0001
 
 
+def test_one_stalled_step_moves_the_correction_as_a_2x_step_and_two_in_a_row_move_it_fully():
+    """A single step 7x its estimate (a 200 ms garbage collection inside a 30 ms step) is taken as a 2x step; the
+    same deviation twice in a row is a lasting change and is learned as measured."""
+    def warmed() -> CostModel:
+        cost = uniform_cost_model(gamma=3, batches=(1,), layout="ragged")
+        for _ in range(8):  # settled on the table
+            cost.observe(1, 3, cost.cost(1, 3), drafted=True)
+        return cost
+
+    cost = warmed()
+    before = cost.cost(1, 3)
+    cost.observe(1, 3, 7.0 * before, drafted=True)
+    stalled = cost.cost(1, 3)
+    assert before < stalled <= before * 2.0 ** cost.alpha * 1.0001
+    cost.observe(1, 3, before, drafted=True)  # back to normal: the stall is forgotten as usual
+    assert cost.cost(1, 3) < stalled
+    lasting = warmed()
+    for _ in range(2):
+        lasting.observe(1, 3, 7.0 * before, drafted=True)
+    assert lasting.cost(1, 3) > before * 2.0 ** (2 * lasting.alpha)  # the second step is taken as it is
+    fast = warmed()
+    fast.observe(1, 3, 0.1 * before, drafted=True)  # a step far faster than its estimate alike
+    assert fast.cost(1, 3) >= before * 0.5 ** fast.alpha * 0.9999
+
+
 def test_decode_with_drafting_that_never_pays_stays_at_plain_speed(qwen3_target):
     """Modeled on an injected cost where a drafted step costs 3 plain steps (random-weight target: n-gram
     drafts are nearly never accepted): the adaptive policy must stay within 3% of plain decoding (it

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import signal
+import re
 import socket
 import subprocess
 import sys
@@ -504,7 +505,10 @@ def test_dspark_serve_exits_cleanly_on_sigterm(tmp_path):
         assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 200
         assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
-        assert "Waiting for connections to close" in (tmp_path / "serve.log").read_text()  # it drained
+        text = (tmp_path / "serve.log").read_text()
+        assert "Waiting for connections to close" in text  # it drained
+        frozen = re.search(r"; (\d+) objects frozen out of garbage collection", text)  # models out of gc's walk
+        assert frozen and int(frozen.group(1)) > 10_000, text
         steps = read_step_log(tmp_path / "steps.jsonl")  # --step-log: every step of the request, flushed at exit
         # the prefill commits the first token; every step's round commits a token per row and its accepted drafts
         assert 1 + sum(s["batch"] + s["accepted"] for s in steps) == 200 and all(s["batch"] == 1 for s in steps)
