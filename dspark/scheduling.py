@@ -90,6 +90,8 @@ class CostModel:
     _row_weights: dict[tuple, tuple[float, int]] = field(default_factory=dict, repr=False)
     #: per batch row (drafted or plain), the sign of its last measurement's deviation beyond `STALL_LOG` (0: none)
     _outliers: dict[tuple, int] = field(default_factory=dict, repr=False)
+    #: measurements taken as stalls so far (moved the model as a 2x one would), out of `_count`
+    stalls: int = field(default=0, repr=False, compare=False)
     #: seconds every step pays outside its round (prefill chunk, bookkeeping, the wait before the next step),
     #: learned online (`observe_overhead`) as a + c·B + b·T; its fixed part a + c·B is added to drafted and plain
     #: costs alike (the per-token part b·T cannot change a decision, see `dspark.step_overhead`)
@@ -344,6 +346,7 @@ class CostModel:
         off = log_ratio - before[key][0]
         outlier = 0 if abs(off) <= self.STALL_LOG else (1 if off > 0 else -1)
         stall = self.STALL_LOG if outlier and self._outliers.get(chain[0], 0) != outlier else math.inf
+        self.stalls += stall < math.inf
         self._outliers[chain[0]] = outlier
         if first_kind or seen >= 1 / a:
             kind_new = kind_now + a * _capped(log_ratio - kind_now, stall)

@@ -525,13 +525,14 @@ def test_one_stalled_step_moves_the_correction_as_a_2x_step_and_two_in_a_row_mov
     before = cost.cost(1, 3)
     cost.observe(1, 3, 7.0 * before, drafted=True)
     stalled = cost.cost(1, 3)
-    assert before < stalled <= before * 2.0 ** cost.alpha * 1.0001
+    assert before < stalled <= before * 2.0 ** cost.alpha * 1.0001 and cost.stalls == 1
     cost.observe(1, 3, before, drafted=True)  # back to normal: the stall is forgotten as usual
     assert cost.cost(1, 3) < stalled
     lasting = warmed()
     for _ in range(2):
         lasting.observe(1, 3, 7.0 * before, drafted=True)
     assert lasting.cost(1, 3) > before * 2.0 ** (2 * lasting.alpha)  # the second step is taken as it is
+    assert lasting.stalls == 1
     fast = warmed()
     fast.observe(1, 3, 0.1 * before, drafted=True)  # a step far faster than its estimate alike
     assert fast.cost(1, 3) >= before * 0.5 ** fast.alpha * 0.9999
