@@ -538,6 +538,23 @@ def test_one_stalled_step_moves_the_correction_as_a_2x_step_and_two_in_a_row_mov
     assert fast.cost(1, 3) >= before * 0.5 ** fast.alpha * 0.9999
 
 
+def test_the_stalls_the_cost_model_absorbed_are_exported(qwen3_target):
+    """`dspark:engine_cost_stalls_total` counts the step times the engine's cost model took as stalls."""
+    from dspark.engine import Engine
+    from dspark.serving.metrics import ServerMetrics
+
+    cost = uniform_cost_model(gamma=4, batches=(1,), layout="padded")
+    engine = Engine(qwen3_target, NgramDrafter(gamma=4), "dspark", cost_model=cost)
+    metrics = ServerMetrics()
+    metrics.watch(engine)
+    assert "dspark:engine_cost_stalls_total 0.0" in metrics.render().decode()
+    for _ in range(4):
+        cost.observe(1, 2, cost.cost(1, 2), drafted=True)
+    cost.observe(1, 2, 10.0 * cost.cost(1, 2), drafted=True)
+    assert engine.cost_stalls == 1 and "dspark:engine_cost_stalls_total 1.0" in metrics.render().decode()
+    assert Engine(qwen3_target, NgramDrafter(gamma=4), "fixed").cost_stalls == 0  # no cost model: none
+
+
 def test_decode_with_drafting_that_never_pays_stays_at_plain_speed(qwen3_target):
     """Modeled on an injected cost where a drafted step costs 3 plain steps (random-weight target: n-gram
     drafts are nearly never accepted): the adaptive policy must stay within 3% of plain decoding (it

@@ -41,6 +41,8 @@ ENGINE_COUNTERS = (  # (metric, help, Engine attribute)
      "draft_timeouts"),
     ("dspark:engine_drafter_sleeps", "Times the drafter was put to sleep through a long back-off of the adaptive "
      "scheduler (its per-request context dropped).", "drafter_sleeps"),
+    ("dspark:engine_cost_stalls", "Step times the online cost model took as stalls (over 2x its estimate and not "
+     "confirmed by the next step of that batch size).", "cost_stalls"),
 )
 
 
