@@ -365,6 +365,11 @@ class Engine:
         return self._pass_fit
 
     @property
+    def cost_stalls(self) -> int:
+        """Step times the online cost model took as stalls (`CostModel.stalls`; 0 without a cost model)."""
+        return self.cost_model.stalls if self.cost_model is not None else 0
+
+    @property
     def has_work(self) -> bool:
         """True while any request waits, prefills or runs."""
         return bool(self.waiting or self.prefilling or self.running)
@@ -377,11 +382,6 @@ class Engine:
         return requests
 
     # ------------------------------------------------------------------ the step
-    @property
-    def cost_stalls(self) -> int:
-        """Step times the online cost model took as stalls (`CostModel.stalls`; 0 without a cost model)."""
-        return self.cost_model.stalls if self.cost_model is not None else 0
-
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what each request committed in it (finished ones included)."""
