@@ -65,6 +65,7 @@ from dspark.drafters.base import drafter_gamma
 from dspark.engine import Engine, EngineConfig, Request
 from dspark.evaluation.bench import load_eval_prompts
 from dspark.sampling import SamplingParams
+from dspark.host_memory import retain_freed_memory
 from dspark.serving.cli import freeze_heap
 from dspark.scheduling import CostModel, Scheduler
 
@@ -223,6 +224,7 @@ def main() -> int:
                 args.online_calibration, length_spread=args.length_spread, ignore_eos=args.ignore_eos)
             for spec in args.arms]
     prompts = [encode_prompt(arms[0].target, p) for d in ("code", "prose", "math") for p in load_eval_prompts(d, 40)]
+    retain_freed_memory()  # as every `dspark` command does (`DSPARK_RETAIN_FREED_MEMORY=0` to compare without)
     freeze_heap()  # as `dspark serve` does: no full garbage collection walks the arms' models inside a step
     size = args.block_requests * args.concurrency
     blocks = make_blocks(prompts, size, args.warmup + args.blocks, args.seed_offset)

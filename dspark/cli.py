@@ -10,6 +10,7 @@ from dspark.api import DRAFTER_NAMES, generate, load_drafter, load_target
 from dspark.arguments import (Parser, check_domain, device_arg, domain_arg, drafter_arg, existing_path_arg, int_arg,
                               label_arg, real_arg, scheduler_arg)
 from dspark.calibration.fit import METHODS
+from dspark.host_memory import retain_freed_memory
 
 POSITIVE = int_arg(1)
 COUNT = int_arg(0)
@@ -406,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"dspark {args.command}: error: {problem} (see dspark {args.command} --help)", file=sys.stderr)
         return 2
+    if getattr(args, "retain_freed_memory", True):  # steps reuse freed blocks instead of faulting in fresh pages
+        retain_freed_memory()
     try:
         return args.func(args)
     except (ValueError, OSError) as err:

@@ -88,6 +88,16 @@ class HeadroomLayer(DynamicLayer):
         self.keys, self.values = self._kbuf[:rows, :, :need], self._vbuf[:rows, :, :need]
         return self.keys, self.values
 
+    def with_room(self, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [R, KV, T + extra, hd] of the cached keys / values followed by `extra` scratch slots, for a pass
+        to write its own keys and values into and attend over without copying the cache (`torch.cat` would). The
+        cache's length stays T: the next `update` writes over the scratch slots."""
+        length = self.keys.shape[-2]
+        rows, need = self.keys.shape[0], length + extra
+        if not (self._holds_views() and need <= self._kbuf.shape[-2]):
+            self._rehome(need, self.keys, self.values)
+        return self._kbuf[:rows, :, :need], self._vbuf[:rows, :, :need]
+
     def _holds_views(self) -> bool:
         """Whether keys / values are still prefix views of this layer's buffers."""
         return _prefix_of(self.keys, self._kbuf) and _prefix_of(self.values, self._vbuf)

@@ -96,3 +96,28 @@ def test_appends_and_row_edits_write_in_place_and_subsets_copy():
     check(cache, history)
     cache.select([])
     assert cache.layers[0]._kbuf.numel() == 0 and cache.lengths.numel() == 0  # an empty batch holds no memory
+
+
+def test_rooms_give_scratch_slots_after_the_context_without_copying_it_and_appends_write_over_them():
+    gen = torch.Generator().manual_seed(2)
+    cache = ContextCache()
+    history = [[[] for _ in range(LAYERS)] for _ in range(3)]
+    append(cache, history, chunk(gen, 3, 4), [4, 2, 3])
+    append(cache, history, chunk(gen, 3, 2), [2, 2, 1])  # re-homed with headroom
+    buffer, width = cache.layers[0]._kbuf, cache.valid.shape[1]
+    rooms = cache.rooms(3)
+    for (k, v), (ck, cv) in zip(rooms, cache.kv):
+        assert k.shape[2] == width + 3 and k.data_ptr() == ck.data_ptr() and v.data_ptr() == cv.data_ptr()
+        assert torch.equal(k[:, :, :width], ck) and torch.equal(v[:, :, :width], cv)  # the context, in place
+        k[:, :, width:] = 7.0  # a draft pass writes its block's keys there
+        v[:, :, width:] = 7.0
+    assert cache.layers[0]._kbuf is buffer and cache.valid.shape[1] == width  # not copied, not kept
+    check(cache, history)
+    append(cache, history, chunk(gen, 3, 3), [3, 1, 2])  # the next append writes over the scratch
+    check(cache, history)
+    part = cache.subset([2, 0])  # a subset holds copies: its room is its own, the cache stays as it was
+    before = [(k.clone(), v.clone()) for k, v in cache.kv]
+    for k, v in part.rooms(2):
+        k[:, :, -2:] = -1.0
+    for (k, v), (k0, v0) in zip(cache.kv, before):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -94,6 +94,27 @@ def test_fused_inference_matches_reference():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_pass_writing_its_block_into_scratch_slots_after_the_context_matches_concatenation():
+    """`room=True`: the context comes with γ scratch slots (`ContextCache.rooms`) that each layer fills with the
+    block's own keys and values in place of `torch.cat`; the states are the same and the context is untouched."""
+    model = randomized_model().eval()
+    feats, ctx_pos, x, positions, mask = make_inputs(model)
+    g = x.shape[1]
+    with torch.no_grad():
+        ctx = model.context_kv(feats, ctx_pos)
+        want = model(x, positions, ctx, mask)
+        rooms = []
+        for k, v in ctx:  # buffers wider than the context, as a layer's headroom is
+            rk, rv = k.new_full((*k.shape[:2], k.shape[2] + g + 5, k.shape[3]), float("nan")), v.new_full(
+                (*v.shape[:2], v.shape[2] + g + 5, v.shape[3]), float("nan"))
+            rk[:, :, : k.shape[2]], rv[:, :, : v.shape[2]] = k, v
+            rooms.append((rk[:, :, : k.shape[2] + g], rv[:, :, : v.shape[2] + g]))
+        got = model(x, positions, rooms, mask, room=True)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for (k, v), (rk, rv) in zip(ctx, rooms):
+        assert torch.equal(rk[:, :, : k.shape[2]], k) and torch.equal(rv[:, :, : v.shape[2]], v)
+
+
 def test_fused_weights_follow_in_place_updates():
     """The stacked weights cached at inference are rebuilt after an optimizer step changes a weight."""
     model = randomized_model().eval()

@@ -209,7 +209,8 @@ class BlockDrafter(Drafter):
         if not self.ctx.dense:
             mask = torch.cat([self.ctx.valid, torch.ones(num_rows, width, dtype=torch.bool, device=device)], 1)
             mask = mask.unsqueeze(1)
-        return self.model(self.embed(ids), positions, self.ctx.kv, mask)
+        # the block's keys and values go into scratch slots after each layer's context: no copy of the context
+        return self.model(self.embed(ids), positions, self.ctx.rooms(width), mask, room=True)
 
     @torch.no_grad()
     def propose(self, sequences, sampling: BatchSampling, generators) -> DraftBlock:

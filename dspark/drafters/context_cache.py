@@ -37,6 +37,11 @@ class ContextCache:
         """Per-layer (keys, values), each [R, KV, T, hd]; empty before the first append."""
         return [(layer.keys, layer.values) for layer in self.layers]
 
+    def rooms(self, extra: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (keys, values) [R, KV, T + extra, hd]: the context followed by `extra` scratch slots that a
+        draft pass fills with its block's own keys and values (`HeadroomLayer.with_room`; kept no further)."""
+        return [layer.with_room(extra) for layer in self.layers]
+
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor) -> None:
         """Append per-layer K/V [R, KV, q, hd] of which the first counts[r] slots of row r are real."""
         q = kv[0][0].shape[2]

@@ -204,17 +204,25 @@ class DraftAttention(nn.Module):
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
         mask: torch.Tensor,
+        room: bool = False,
     ) -> torch.Tensor:
         """Attend block states x [R, γ, d] to ctx_k/ctx_v [R, KV, T, hd] and the block itself.
 
         mask: bool [R, 1 or γ, T + γ], True where a query may attend, or None for all keys.
-        cos/signed_sin: `RopeTable.rolled`.
+        cos/signed_sin: `RopeTable.rolled`. room: ctx_k / ctx_v are [R, KV, T + γ, hd] whose last γ slots are
+        scratch for the block's own keys and values (`ContextCache.rooms`): written there in place instead of
+        concatenated, which would copy the whole context every layer.
         """
         r, g, _ = x.shape
         h, kv, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         q, bk, bv = project_qkv(self, x, cos, signed_sin, h, kv, hd, self.cfg.rms_norm_eps)
-        k = torch.cat([ctx_k, bk], dim=2)
-        v = torch.cat([ctx_v, bv], dim=2)
+        if room:
+            ctx_k[:, :, ctx_k.shape[2] - g:] = bk
+            ctx_v[:, :, ctx_v.shape[2] - g:] = bv
+            k, v = ctx_k, ctx_v
+        else:
+            k = torch.cat([ctx_k, bk], dim=2)
+            v = torch.cat([ctx_v, bv], dim=2)
         mask = None if mask is None else mask.unsqueeze(1)
         out = gqa_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(r, g, h * hd))
@@ -230,9 +238,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, signed_sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        """Return the block states after attention and MLP, with residuals."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, signed_sin, ctx_k, ctx_v, mask, room: bool = False) -> torch.Tensor:
+        """Return the block states after attention and MLP, with residuals (room: `DraftAttention.forward`)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, ctx_k, ctx_v, mask, room)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -276,14 +284,16 @@ class DFlashBackbone(nn.Module):
         positions: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor,
+        room: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states [R, γ, d] of the block.
 
         block_embeds: [R, γ, d] embeddings of [anchor, mask, ...]; positions: [R, γ];
-        ctx_kv: per-layer context keys/values [R, KV, T, hd]; mask: bool [R, 1 or γ, T + γ] or None (all).
+        ctx_kv: per-layer context keys/values [R, KV, T, hd] ([R, KV, T + γ, hd] with room: the last γ slots
+        scratch for the block's own, `DraftAttention.forward`); mask: bool [R, 1 or γ, T + γ] or None (all).
         """
         x = block_embeds.to(self.fc.weight.dtype)
         cos, signed_sin = self.rope.rolled(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, signed_sin, k, v, mask)
+            x = layer(x, cos, signed_sin, k, v, mask, room)
         return self.norm(x)

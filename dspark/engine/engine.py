@@ -109,6 +109,8 @@ class StepInfo:
     sees the round (`dspark.pass_fit`; None when not fused or not fitted yet). cpu_seconds: the engine
     thread's CPU time over the whole step (`time.thread_time`); with one torch thread on a CPU, step_seconds −
     cpu_seconds is time the thread waited (for the interpreter lock, or for a core), not computed.
+    expected_accepted: a planned round's calibrated survivals summed over the drafts it verifies (the accepted
+    drafts its plan expected; None when not planned or planned without survivals).
     """
 
     batch: int
@@ -141,6 +143,7 @@ class StepInfo:
     gate_bias: float | None = None
     chunk_seconds: float | None = None
     cpu_seconds: float = 0.0
+    expected_accepted: float | None = None
 
 
 StepCallback = Callable[[StepInfo], None]
@@ -747,7 +750,7 @@ class Engine:
             block = self._drop_nonfinite(block)
         draft_seconds = time.perf_counter() - start
         available = block.lengths.tolist()
-        theta = capacity = signals = None
+        theta = capacity = signals = expected_accepted = None
         planned = drafted and sched.kind not in ("fixed", "none")
         skipped = planned and not sched.plan_pays(available, self.cost_model, self.config.token_budget)
         if skipped:  # planning would cost more than it is expected to gain: verify the whole block
@@ -768,6 +771,11 @@ class Engine:
                               [req.seq for req in rows])
             block = block.truncate(plan.lengths)
             theta, capacity = plan.expected_throughput, plan.capacity
+            if survival is not None:  # what the plan expects to be accepted (for step logs; the verdict is below)
+                a = torch.as_tensor(survival)
+                reach = torch.arange(a.shape[1], device=a.device).view(1, -1) < \
+                    torch.tensor(plan.lengths, device=a.device).view(-1, 1)
+                expected_accepted = float(a[reach].sum())
         elif drafted and sched.kind in ("fixed", "none"):
             block = block.truncate(sched.plan(None, available, self.cost_model, self.config.token_budget).lengths)
         lens = block.lengths.tolist()
@@ -859,7 +867,8 @@ class Engine:
                         blind=sum(req.seq in self._blind for req in rows) if self._blind else 0, planned=planned,
                         draft_width=drafted_width if drafted else None,
                         expected_gain=sched.expected_gain, backoff_left=sched.backoff_left,
-                        gate_bias=sched.gate_bias(len(rows)), chunk_seconds=chunk)
+                        gate_bias=sched.gate_bias(len(rows)), chunk_seconds=chunk,
+                        expected_accepted=expected_accepted)
         if side is not None:  # the prefilled rows join after the round (`rows` is the running list itself)
             self._prefilled(side, side_out, outputs)
             self._side_fed = True

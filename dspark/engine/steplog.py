@@ -4,7 +4,7 @@ Each line holds what `StepInfo` measured (batch, query tokens, drafted or not, r
 target seconds, the cost model's prediction, drafts verified and accepted, the target cache's slots per row and
 live tokens, the time spent joining finished prefills, whether the scheduler planned the round, the drafted
 width, an adaptive scheduler's smoothed expected gain, back-off left and gate correction, the engine thread's CPU
-time over the step) and `started`, the
+time over the step, the accepted drafts a planned round expected) and `started`, the
 step's start on the process's perf_counter clock, so that gaps between steps (time the engine thread spent
 outside `step`: dispatching outputs, waiting for the interpreter lock) can be read off. The file is appended to while the
 server runs, a line at a time: a reader skips a last line cut short by a crash (`read_step_log`).
@@ -44,6 +44,7 @@ def step_record(info: StepInfo) -> dict:
         "gate_bias": None if info.gate_bias is None else round(info.gate_bias, 4),
         "chunk_seconds": None if info.chunk_seconds is None else round(info.chunk_seconds, 6),
         "cpu_seconds": round(info.cpu_seconds, 6),
+        "expected_accepted": None if info.expected_accepted is None else round(info.expected_accepted, 3),
     }
 
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from dspark.host_memory import retain_freed_memory
+
 if TYPE_CHECKING:
     from dspark.engine import EngineConfig
 
@@ -79,6 +81,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--drafter-sleep", action=argparse.BooleanOptionalAction, default=True,
                    help="adaptive schedulers: let a drafter that reads target features drop its per-request state "
                         "during long back-offs (default: on)")
+    s.add_argument("--retain-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep freed large blocks in the heap for the next step's tensors instead of mapping fresh "
+                        "pages (glibc; default: on, unless DSPARK_RETAIN_FREED_MEMORY=0)")
     s.add_argument("--step-log", default=None, metavar="FILE",
                    help="append one JSON line per engine step (batch, tokens, timings, the cost model's prediction)")
     s.add_argument("--threads", type=int_arg(1), default=None,
@@ -162,9 +167,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_timeout), runner)
     frozen = freeze_heap()
+    kept = "freed memory kept for reuse" if args.retain_freed_memory and retain_freed_memory() else \
+        "the C allocator as it was"
     print(f"dspark: serving {name!r} at http://{args.host}:{args.port}/v1 (drafter {args.drafter}, scheduler "
           f"{args.scheduler}, {torch.get_num_threads()} torch threads; {frozen} objects frozen out of garbage "
-          f"collection)", file=sys.stderr)
+          f"collection; {kept})", file=sys.stderr)
     runner.start()
     # uvicorn re-raises the signal it caught once it has stopped; a no-op handler makes that an exit 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
