@@ -228,6 +228,39 @@ def test_probes_that_refute_the_typical_row_close_the_gate_at_their_batch_size_o
     assert probes <= 4 + steps // (2 * s.max_backoff) + 1
 
 
+def test_a_gate_correction_learned_on_a_harder_workload_is_void_once_the_workload_is_easier() -> None:
+    """Probes at 16 requests close the gate there while the workload is hard (the typical row expects about 2.1
+    accepted drafts); once the typical row expects over GATE_EASIER times as many (temperature 0 after 1, in the
+    sweep's order), that correction no longer holds the gate and the typical row alone decides there until a
+    probe learns it anew. A workload as hard or harder keeps it."""
+    cost = CostModel({b: [(n, 1.2 + 0.3 * (n / b - 1)) for n in range(b, 8 * b + 1, b)] for b in (1, 16)},
+                     {1: 1.0, 16: 1.0}, "padded")
+
+    def closed_at_16(typical: np.ndarray) -> Scheduler:
+        s = Scheduler("dspark", gamma=7)
+        for _ in range(60):
+            s.plan(typical, [7], cost)
+        assert s._predicted_to_pay(16)
+        low = np.repeat(np.full((1, 7), 0.05).cumprod(1), 16, axis=0)
+        for _ in range(3000):  # probes at 16 requests find no gain: the gate closes there
+            if s.dormant:
+                s.idle_step(16)
+            elif s.wants_drafts(16):
+                s.plan(low, [7] * 16, cost)
+        assert s.gate_bias(16) < -0.1 and not s._predicted_to_pay(16)
+        return s
+
+    s = closed_at_16(np.full((1, 7), 0.8).cumprod(1))
+    learned = s.gate_bias(16)
+    for _ in range(80):  # a harder workload at one request: the correction stands
+        s.plan(np.full((1, 7), 0.7).cumprod(1), [7], cost)
+    assert s.gate_bias(16) == learned
+    for _ in range(80):  # an easier one: void, the typical row alone gates probes at 16
+        s.plan(np.full((1, 7), 0.95).cumprod(1), [7], cost)
+    assert float(s._last_mean.sum()) > s.GATE_EASIER * 2.2
+    assert s.gate_bias(16) == 0.0 and s._predicted_to_pay(16)
+
+
 def test_a_probe_judges_drafting_by_the_rows_that_could_draft() -> None:
     """Requests admitted while the drafter slept verify no drafts until they finish. A probe whose batch is
     mostly such rows must judge drafting at this load by the rows that could draft: measured over HTTP at
