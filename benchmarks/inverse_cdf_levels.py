@@ -16,14 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.host_memory import retain_freed_memory  # noqa: E402
-from dspark.sampling import _two_level  # noqa: E402
-
-
-def one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    cdf = probs.double().cumsum(-1)
-    total = cdf[..., -1]
-    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, point.unsqueeze(-1).contiguous(), right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+from dspark.sampling import _one_level as one_level, _two_level  # noqa: E402
 
 
 def per_call_ms(fn, probs: torch.Tensor, u: torch.Tensor, calls: int) -> float:

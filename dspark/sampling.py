@@ -167,6 +167,11 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     vocab = probs.shape[-1]
     if probs.device.type == "cpu" and vocab >= TWO_LEVEL_MIN_VOCAB and probs.numel() >= TWO_LEVEL_MIN_ENTRIES:
         return _two_level(probs, u)  # on a GPU one cumulative sum is cheap; the loop over rows would not be
+    return _one_level(probs, u)
+
+
+def _one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample_inverse_cdf` by one float64 cumulative sum of every row."""
     cdf = probs.double().cumsum(-1)
     total = cdf[..., -1]
     point = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -78,13 +78,7 @@ def test_two_level_draws_are_the_one_level_draws_and_never_a_token_without_mass(
     """`_two_level` (block sums, then one block's cumulative sums; large calls on a CPU take it) draws the token the
     whole-row cumulative sum draws: random rows with a third of their tokens at 0, the ends of the unit interval,
     one-hot rows, a vocabulary that is not a multiple of the block, and leading dimensions."""
-    from dspark.sampling import _two_level
-
-    def one_level(probs, u):
-        cdf = probs.double().cumsum(-1)
-        total = cdf[..., -1]
-        point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, point.unsqueeze(-1).contiguous(), right=True).squeeze(-1)
+    from dspark.sampling import _one_level as one_level, _two_level
 
     gen = torch.Generator().manual_seed(3)
     for vocab, block in ((8192, None), (1000, 64), (1000, 7)):
