@@ -27,7 +27,8 @@ one padded cache / split them in two by length, `EngineConfig.row_groups`; `+pat
 by admitting single candidates instead of whole widths, `Scheduler.by_width`; `+refitperstep` lets the online
 calibrator refit as often as every step, `OnlineCalibrator(refit_steps=1)`; `+oldfold` keeps one folded
 attention mask, known by its tensor object, as before the masks of a packed pass were each folded once,
-`dspark.attention.one_fold_kept`); `--warmup` blocks run first and are not
+`dspark.attention.one_fold_kept`; `+steplookup` / `+linearlookup` read the step-cost table rounding B and N up
+to profiled values / interpolating between them, `CostModel.lookup`, where the default is the device's); `--warmup` blocks run first and are not
 counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
@@ -93,7 +94,7 @@ class Arm:
         self.spec = spec
         name, *flags = spec.split("+")
         known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "unsegmented", "onegroup",
-                 "twogroups", "pathcut", "refitperstep", "oldfold")
+                 "twogroups", "pathcut", "refitperstep", "oldfold", "steplookup", "linearlookup")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
@@ -101,7 +102,8 @@ class Arm:
                              f"without row segments) or +oldfold (one folded mask kept, as before) or "
                              f"+onegroup / +twogroups (the running rows in one padded cache / split in two by length) or "
                              f"+pathcut (Algorithm 1 admitting single candidates in the padded layout) or "
-                             f"+refitperstep (the online calibrator refitting as often as every step)")
+                             f"+refitperstep (the online calibrator refitting as often as every step) or "
+                             f"+steplookup / +linearlookup (the cost table read rounding up / interpolating)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -110,7 +112,9 @@ class Arm:
         if not scheduler.never_drafts:
             drafter.prepare()
         if scheduler.needs_cost and cost is None:
-            cost = step_cost_model(self.target, drafter, concurrency, profile)
+            cost = step_cost_model(self.target, drafter, concurrency, profile,
+                                   lookup="step" if "steplookup" in flags else "linear" if "linearlookup" in flags
+                                   else None)
         calibrator = None
         if online and scheduler.adaptive and getattr(drafter, "calibration", None) is not None:
             from dspark.calibration.online import OnlineCalibrator

@@ -16,7 +16,7 @@ from dspark.drafters.base import Drafter, NoDrafter
 from dspark.drafters.draft_model import DraftModelDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.sampling import SamplingParams
-from dspark.scheduling import CostModel, Scheduler
+from dspark.scheduling import LOOKUPS, CostModel, Scheduler
 from dspark.target import CausalLM
 from dspark.zoo import bundled_drafter_path, default_target_path
 
@@ -192,17 +192,23 @@ def _load_drafter(name_or_path: str | Path, target: CausalLM, gamma: int | None 
 
 
 def step_cost_model(target: CausalLM, drafter: Drafter, max_batch: int, profile: str | Path | None = None,
-                    reprofile: bool | None = None) -> CostModel:
+                    reprofile: bool | None = None, lookup: str | None = None) -> CostModel:
     """This setup's step-cost model for batches up to `max_batch`: from `profile` (or the cache), checked
     against the setup's fingerprint. The cache is re-measured when missing or mismatched; a profile file
-    given explicitly that was measured on another setup is refused naming the field (reprofile None)."""
+    given explicitly that was measured on another setup is refused naming the field (reprofile None).
+    lookup: how the table is read between profiled points (`CostModel.lookup`; None: the device's way)."""
     if reprofile is None:
         reprofile = profile is None
     from dspark.profiling import load_or_profile
 
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
     batches = sorted(set(batches))
-    return load_or_profile(target, drafter, getattr(drafter, "name", None), batches, path=profile, reprofile=reprofile)
+    cost = load_or_profile(target, drafter, getattr(drafter, "name", None), batches, path=profile, reprofile=reprofile)
+    if lookup is not None:
+        if lookup not in LOOKUPS:
+            raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
+        cost.lookup = lookup
+    return cost
 
 
 def encode_prompt(target: CausalLM, prompt: str, chat: bool = True) -> list[int]:

@@ -26,7 +26,7 @@ from dspark.cost_fit import fit_row
 from dspark.decoding import StepInfo, decode, drafter_gamma
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.sampling import SamplingParams
-from dspark.scheduling import CostModel, Scheduler, StepPlan, step_tokens
+from dspark.scheduling import CostModel, Scheduler, StepPlan, lookup_for, step_tokens
 from dspark.target import CausalLM
 
 FORMAT = "dspark-step-profile"
@@ -70,6 +70,7 @@ class StepProfile:
         context = self.meta.get("context_len", self.fingerprint.get("context_len"))
         if context is not None:  # the table's rows held this many slots: `CostModel.set_context` prices others
             self.cost.reference_slots = int(context)
+        self.cost.lookup = lookup_for(self.fingerprint.get("device", "cpu"))  # how the device's steps grow
 
     def to_dict(self) -> dict:
         """The JSON document `save` writes."""

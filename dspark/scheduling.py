@@ -26,6 +26,15 @@ from dspark.step_overhead import StepOverhead
 
 POLICIES = ("none", "fixed:K", "threshold:θ", "batch-table[:B=K,...]", "dspark", "dspark-async")
 LAYOUTS = ("padded", "ragged")
+#: how a cost model reads its table between profiled points: "step" rounds B and N up to the next profiled value
+#: (a GPU engine padding to captured sizes), "linear" interpolates (a CPU, where a step's cost grows with every
+#: row and token)
+LOOKUPS = ("step", "linear")
+
+
+def lookup_for(device: str) -> str:
+    """The table lookup that fits steps on `device`: "linear" on a CPU, "step" elsewhere (`CostModel.lookup`)."""
+    return "linear" if str(device).split(":")[0] == "cpu" else "step"
 
 
 def step_tokens(lengths: np.ndarray, layout: str) -> int:
@@ -48,11 +57,14 @@ class CostModel:
     row padded to the longest: N = B·(1 + max ℓ), dspark's batched KV cache) or "ragged" (N = B + Σℓ,
     flattened kernels as in vLLM).
 
-    Lookup keeps the curve's steps: B and N round up to the next profiled value (as a CUDA-graph engine
-    pads to the next captured size), never interpolating across a cliff; past the largest profiled value
-    the last two points extrapolate linearly. Within a batch row the costs are made non-decreasing in N (a
-    cell dearer than a larger one is noise: one bump would stop Algorithm 1's admission before it).
-    `observe` corrects the table online from measured steps.
+    `lookup` "step" keeps the curve's steps: B and N round up to the next profiled value (as a CUDA-graph
+    engine pads to the next captured size), never interpolating across a cliff. "linear" (what a CPU's steps
+    follow, `lookup_for`) interpolates: within a batch row linearly in N between profiled cells, and between
+    the two profiled rows around B linearly in B at the same tokens per row (B = 50 drafting 4 a row is priced
+    between the 32- and 64-row steps of width 4, not as a 64-row step of 250 tokens, which "step" prices like
+    50 rows drafting 3). Past the largest profiled value the last two points extrapolate linearly. Within a
+    batch row the costs are made non-decreasing in N (a cell dearer than a larger one is noise: one bump would
+    stop Algorithm 1's admission before it). `observe` corrects the table online from measured steps.
     """
 
     drafted: dict[int, list[tuple[int, float]]]
@@ -105,10 +117,15 @@ class CostModel:
     reference_slots: int | None = None
     #: the context coming steps are priced at (`set_context`): seconds per query token per slot, slots per row
     _context: tuple[float, int] | None = field(default=None, init=False, repr=False, compare=False)
+    #: how the table is read between profiled points (see the class docstring; not saved with the table: it
+    #: belongs to the device, `lookup_for`)
+    lookup: str = "step"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"cost model layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.lookup not in LOOKUPS:
+            raise ValueError(f"cost model lookup must be one of {LOOKUPS}, got {self.lookup!r}")
         if not self.drafted or not self.plain:
             raise ValueError("a cost model needs at least one drafted and one plain entry")
         self.drafted = {int(b): sorted((int(n), float(s)) for n, s in cells) for b, cells in self.drafted.items()}
@@ -145,22 +162,67 @@ class CostModel:
         top = int(self._batches[-1])
         return top, batch / top
 
-    def _base_many(self, batch: int, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Table seconds and cell index for query-token counts `tokens` at `batch` (no online correction)."""
-        b, factor = self._row_for(batch)
-        ns, secs = self._rows[b]
-        n = np.asarray(tokens, dtype=np.float64) / factor
-        idx = np.searchsorted(ns, n)
-        inside = idx < len(ns)
-        out = np.empty(n.shape, dtype=np.float64)
-        out[inside] = secs[idx[inside]]
-        if (~inside).any():
+    def _rows_around(self, batch: int) -> tuple[int, int, float, float]:
+        """Linear lookup: (profiled B below or at `batch`, profiled B at or above it, the upper one's weight,
+        factor for batches beyond the largest profiled one). Below the smallest profiled B: that row alone."""
+        i = int(np.searchsorted(self._batches, batch))
+        if i >= len(self._batches):
+            top = int(self._batches[-1])
+            return top, top, 1.0, batch / top
+        hi = int(self._batches[i])
+        if hi == batch or i == 0:
+            return hi, hi, 1.0, 1.0
+        lo = int(self._batches[i - 1])
+        return lo, hi, (batch - lo) / (hi - lo), 1.0
+
+    def _cells_of(self, batch: int, tokens: np.ndarray) -> tuple[int, np.ndarray]:
+        """(the drafted row whose cells a step of `batch` requests and `tokens` query tokens is corrected in, the
+        cell index of each entry: len(cells) past the table). Step lookup: the cell it rounds up to; linear: the
+        nearest cell of the upper row at the same tokens per row."""
+        n = np.asarray(tokens, dtype=np.float64)
+        if self.lookup == "step":
+            b, factor = self._row_for(batch)
+            return b, np.minimum(np.searchsorted(self._rows[b][0], n / factor), len(self._rows[b][0]))
+        _, hi, _, factor = self._rows_around(batch)
+        ns = self._rows[hi][0]
+        at = n * (hi / batch if factor == 1.0 else 1.0 / factor)
+        idx = np.searchsorted((ns[1:] + ns[:-1]) / 2.0, at) if len(ns) > 1 else np.zeros(at.shape, dtype=np.int64)
+        return hi, np.where(at > ns[-1], len(ns), idx)
+
+    @staticmethod
+    def _curve(ns: np.ndarray, secs: np.ndarray, n: np.ndarray, linear: bool) -> np.ndarray:
+        """A row's seconds at query-token counts n: its cells' (the next cell's, or linearly between cells),
+        the last two cells' slope past the last."""
+        out = np.interp(n, ns, secs) if linear else secs[np.minimum(np.searchsorted(ns, n), len(ns) - 1)]
+        past = n > ns[-1]
+        if past.any():
             if len(ns) >= 2 and ns[-1] > ns[-2]:
                 slope = max(0.0, (secs[-1] - secs[-2]) / (ns[-1] - ns[-2]))
             else:
                 slope = secs[-1] / max(1, ns[-1])
-            out[~inside] = secs[-1] + slope * (n[~inside] - ns[-1])
-        return out * factor, np.minimum(idx, len(ns))
+            out[past] = secs[-1] + slope * (n[past] - ns[-1])
+        return out
+
+    def _lookup(self, batch: int, tokens: np.ndarray, rows: dict[int, np.ndarray]) -> np.ndarray:
+        """Seconds of drafted steps at `batch` for `tokens`, reading each profiled row b's cells from rows[b]
+        (the table's or corrected ones), per `lookup`."""
+        n = np.asarray(tokens, dtype=np.float64)
+        if self.lookup == "step":
+            b, factor = self._row_for(batch)
+            return self._curve(self._rows[b][0], rows[b], n / factor, False) * factor
+        lo, hi, t, factor = self._rows_around(batch)
+        if factor != 1.0:
+            return self._curve(self._rows[hi][0], rows[hi], n / factor, True) * factor
+        out = self._curve(self._rows[hi][0], rows[hi], n * (hi / batch), True)
+        if t < 1.0:  # between two profiled rows: both at the same tokens per row
+            out = t * out + (1.0 - t) * self._curve(self._rows[lo][0], rows[lo], n * (lo / batch), True)
+        return out
+
+    def _base_many(self, batch: int, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Table seconds and cell index (`_cells_of`) for query-token counts `tokens` at `batch` (no online
+        correction)."""
+        base = self._lookup(batch, tokens, {b: secs for b, (_, secs) in self._rows.items()})
+        return base, self._cells_of(batch, tokens)[1]
 
     def cost_many(self, batch: int, tokens: np.ndarray, width: int | None = None) -> np.ndarray:
         """Seconds of drafted steps with `batch` requests for each entry of `tokens` (vectorised), drafting
@@ -168,13 +230,19 @@ class CostModel:
         base, idx = self._base_many(batch, tokens)
         if not self._cells:
             out = base * self._scale(None, "d")
-        else:
+        elif self.lookup == "step":
             b, factor = self._row_for(batch)
             ns, _ = self._rows[b]
             scale, corrected = self._row_scales(b)
             out = base * scale[idx]
             inside = idx < len(ns)
             out[inside] = corrected[idx[inside]] * factor  # corrected cells stay monotone too
+        else:  # each profiled row around B read from its corrected cells (monotone), past them scaled as the step
+            lo, hi, _, _ = self._rows_around(batch)
+            out = self._lookup(batch, tokens, {b: self._row_scales(b)[1] for b in {lo, hi}})
+            past = idx == len(self._rows[hi][0])
+            if past.any():
+                out[past] = base[past] * self._row_scales(hi)[0][-1]
         saving = self.width_saving(batch, width)
         if saving:  # never below half the profiled width's cost: a slope extrapolated too far is not trusted
             out = np.maximum(out - saving, 0.5 * out)
@@ -193,6 +261,9 @@ class CostModel:
         i = int(np.searchsorted(self._slot_batches, batch))
         if i < len(self._slot_batches):
             slot = self.draft_slot[int(self._slot_batches[i])]
+            if self.lookup == "linear" and i > 0 and int(self._slot_batches[i]) != batch:
+                lo, hi = int(self._slot_batches[i - 1]), int(self._slot_batches[i])
+                slot = self.draft_slot[lo] + (slot - self.draft_slot[lo]) * (batch - lo) / (hi - lo)
         else:
             top = int(self._slot_batches[-1])
             slot = self.draft_slot[top] * batch / top
@@ -212,7 +283,9 @@ class CostModel:
 
     def cell_end_many(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         """The largest query-token count that costs the same as each entry of `tokens` (its profiled cell's
-        size; the count itself past the table, where every token costs)."""
+        size; the count itself past the table, where every token costs, and with linear lookup)."""
+        if self.lookup == "linear":
+            return np.asarray(tokens, dtype=np.int64).copy()
         b, factor = self._row_for(batch)
         ns, _ = self._rows[b]
         n = np.asarray(tokens, dtype=np.float64)
@@ -234,10 +307,20 @@ class CostModel:
         top = int(self._plain_batches[-1])
         return top, batch / top
 
+    def _plain_around(self, batch: int) -> list[tuple[int, float]]:
+        """The profiled plain rows a plain step of `batch` requests is read from, with their weights (scaled past
+        the largest): the next one up with step lookup, the two around it with linear."""
+        b, factor = self._plain_key(batch)
+        i = int(np.searchsorted(self._plain_batches, batch))
+        if self.lookup == "step" or factor != 1.0 or b == batch or i == 0:
+            return [(b, factor)]
+        lo = int(self._plain_batches[i - 1])
+        t = (batch - lo) / (b - lo)
+        return [(b, t), (lo, 1.0 - t)]
+
     def plain_cost(self, batch: int) -> float:
         """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
-        b, factor = self._plain_key(batch)
-        out = self.plain[b] * factor * self._scale(("p", b), "p")
+        out = sum(self.plain[b] * w * self._scale(("p", b), "p") for b, w in self._plain_around(batch))
         context = self.context_seconds(batch)
         if context is not None:
             out = max(out + float(context), 0.5 * out)
@@ -328,11 +411,11 @@ class CostModel:
         if drafted:
             seconds += self.width_saving(batch, width)
             base, idx = self._base_many(batch, np.array([tokens]))
-            key = ("d", self._row_for(batch)[0], int(idx[0]))
+            key = ("d", self._cells_of(batch, np.array([tokens]))[0], int(idx[0]))
             table = float(base[0])
         else:
-            b, factor = self._plain_key(batch)
-            key, table = ("p", b), self.plain[b] * factor
+            around = self._plain_around(batch)
+            key, table = ("p", around[0][0]), sum(self.plain[b] * w for b, w in around)
         log_ratio = math.log(min(20.0, max(0.05, seconds / table)))
         kind, a = key[0], self.alpha
         kind_now = self._kind_log(kind)

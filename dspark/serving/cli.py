@@ -45,6 +45,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="none | fixed | fixed:K | threshold:θ | batch-table | dspark | dspark-async (default: dspark, "
                         "which needs this setup's step-cost profile: --profile, the cache, or measured on start)")
     s.add_argument("--profile", default=None, help="step-cost profile JSON for dspark / dspark-async")
+    s.add_argument("--cost-lookup", default="auto", choices=["auto", "step", "linear"],
+                   help="how the step-cost profile is read between its batch sizes and token counts: linear "
+                        "(interpolated, as a CPU's steps grow), step (rounded up to the next profiled one, as a GPU "
+                        "engine pads to captured sizes) or auto, the device's way (default)")
     s.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--device", default="cpu", type=device_arg, help="torch device, e.g. cpu or cuda")
     s.add_argument("--host", default="127.0.0.1")
@@ -151,7 +155,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scheduler = Scheduler(args.scheduler, gamma)
     if not scheduler.never_drafts:
         drafter.prepare()  # caches built lazily would stall one serving step for every stream
-    cost = step_cost_model(target, drafter, args.max_running, args.profile) if scheduler.needs_cost else None
+    cost = (step_cost_model(target, drafter, args.max_running, args.profile,
+                            lookup=None if getattr(args, "cost_lookup", "auto") == "auto" else args.cost_lookup)
+            if scheduler.needs_cost else None)
     calibrator = None
     if not args.no_online_calibration and getattr(drafter, "calibration", None) is not None and gamma > 0:
         from dspark.calibration.online import OnlineCalibrator
