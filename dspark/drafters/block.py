@@ -17,8 +17,8 @@ from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.context_cache import ContextCache
 from dspark.drafters.dflash_model import DFlashBackbone, DFlashConfig
 from dspark.drafters.heads import ConfidenceHead, MarkovHead, build_sequential_head
-from dspark.sampling import (BatchSampling, filter_logits, greedy_onehot, greedy_peaks, probs_from_sampling_logits,
-                             row_uniforms, sample_inverse_cdf, sampling_logits)
+from dspark.sampling import (BatchSampling, argmax_last, filter_logits, greedy_onehot, greedy_peaks,
+                             probs_from_sampling_logits, row_uniforms, sample_inverse_cdf, sampling_logits)
 from dspark.target import CausalLM
 
 
@@ -234,7 +234,7 @@ class BlockDrafter(Drafter):
         peaks = probs = None
         if head is None:  # plain DFlash: every slot is independent, sample the block at once
             if all_greedy:
-                scaled, tokens = base.transpose(0, 1), base.argmax(-1).t().contiguous()
+                scaled, tokens = base.transpose(0, 1), argmax_last(base).t().contiguous()
             else:
                 scaled = sampling_logits(base.transpose(0, 1), sampling)
                 probs = probs_from_sampling_logits(scaled, sampling)  # greedy rows: one-hot, drawn for any u
@@ -285,7 +285,7 @@ class BlockDrafter(Drafter):
                 bias, state = head.step(h[:, k], prev, state)
                 logits.add_(bias.float())
             if plain:
-                prev = logits.argmax(-1)
+                prev = argmax_last(logits)
             else:
                 if scale:
                     logits.div_(temp)
@@ -294,7 +294,7 @@ class BlockDrafter(Drafter):
                 q = torch.softmax(logits, dim=-1)
                 prev = sample_inverse_cdf(q, uniforms[:, k])
                 if greedy is not None:  # greedy rows of a mixed batch take their argmax
-                    prev = torch.where(greedy, logits.argmax(-1), prev)
+                    prev = torch.where(greedy, argmax_last(logits), prev)
                 probs.append(q)
             tokens.append(prev)
         scaled = base.transpose(0, 1)
@@ -325,7 +325,7 @@ class BlockDrafter(Drafter):
             if plain:
                 if self.report_peaks:
                     peaks.append(torch.exp(cand.amax(-1) - torch.logsumexp(cand, -1)))
-                pick = cand.argmax(-1)
+                pick = argmax_last(cand)
             else:
                 if scale:
                     cand = cand / temp
@@ -333,7 +333,7 @@ class BlockDrafter(Drafter):
                     cand = filter_logits(cand.unsqueeze(1), sampling.top_k, sampling.top_p).squeeze(1)
                 pick = sample_inverse_cdf(torch.softmax(cand, dim=-1), uniforms[:, k])
                 if greedy is not None:  # greedy rows of a mixed batch take their best candidate
-                    pick = torch.where(greedy, cand.argmax(-1), pick)
+                    pick = torch.where(greedy, argmax_last(cand), pick)
                 base[k].fill_(float("-inf")).scatter_(-1, idx[k], cand)
             prev = idx[k].gather(-1, pick.unsqueeze(-1)).squeeze(-1)
             tokens.append(prev)

@@ -19,7 +19,7 @@ from dspark.attention import gqa_attention
 from dspark.drafters.base import DraftBlock, Drafter, RoundOutcome
 from dspark.drafters.dflash_model import DraftMLP, RMSNorm, RopeTable, project_qkv
 from dspark.kv_cache import HeadroomLayer
-from dspark.sampling import BatchSampling, greedy_peaks, logits_to_probs
+from dspark.sampling import BatchSampling, argmax_last, greedy_peaks, logits_to_probs
 from dspark.target import CausalLM
 
 
@@ -253,7 +253,7 @@ class Eagle3Drafter(Drafter):
             if self.report_peaks:
                 peaks.append(greedy_peaks(logits.unsqueeze(1), sampling.greedy))
             if all_greedy:  # one-hot q: verification needs only the tokens
-                tokens[:, k] = logits.argmax(-1)
+                tokens[:, k] = argmax_last(logits)
             else:
                 q = logits_to_probs(logits.unsqueeze(1), sampling)[:, 0]
                 if probs is None:
