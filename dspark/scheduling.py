@@ -156,24 +156,27 @@ class CostModel:
     # -- lookup ---------------------------------------------------------------------------------------
     def _row_for(self, batch: int) -> tuple[int, float]:
         """(profiled B at or above `batch`, factor for batches beyond the largest profiled one)."""
-        i = int(np.searchsorted(self._batches, batch))
-        if i < len(self._batches):
-            return int(self._batches[i]), 1.0
-        top = int(self._batches[-1])
-        return top, batch / top
+        _, hi, _, factor = self._around(self._batches, batch)
+        return hi, factor
 
-    def _rows_around(self, batch: int) -> tuple[int, int, float, float]:
-        """Linear lookup: (profiled B below or at `batch`, profiled B at or above it, the upper one's weight,
-        factor for batches beyond the largest profiled one). Below the smallest profiled B: that row alone."""
-        i = int(np.searchsorted(self._batches, batch))
-        if i >= len(self._batches):
-            top = int(self._batches[-1])
+    @staticmethod
+    def _around(points: np.ndarray, batch: int) -> tuple[int, int, float, float]:
+        """Linear lookup over the sorted profiled batch sizes `points`: (the one below or at `batch`, the one at or
+        above it, the upper one's weight, factor for batches beyond the largest). Below the smallest: that one
+        alone."""
+        i = int(np.searchsorted(points, batch))
+        if i >= len(points):
+            top = int(points[-1])
             return top, top, 1.0, batch / top
-        hi = int(self._batches[i])
+        hi = int(points[i])
         if hi == batch or i == 0:
             return hi, hi, 1.0, 1.0
-        lo = int(self._batches[i - 1])
+        lo = int(points[i - 1])
         return lo, hi, (batch - lo) / (hi - lo), 1.0
+
+    def _rows_around(self, batch: int) -> tuple[int, int, float, float]:
+        """`_around` over the drafted rows."""
+        return self._around(self._batches, batch)
 
     def _cells_of(self, batch: int, tokens: np.ndarray) -> tuple[int, np.ndarray]:
         """(the drafted row whose cells a step of `batch` requests and `tokens` query tokens is corrected in, the
@@ -183,9 +186,9 @@ class CostModel:
         if self.lookup == "step":
             b, factor = self._row_for(batch)
             return b, np.minimum(np.searchsorted(self._rows[b][0], n / factor), len(self._rows[b][0]))
-        _, hi, _, factor = self._rows_around(batch)
+        hi = self._rows_around(batch)[1]
         ns = self._rows[hi][0]
-        at = n * (hi / batch if factor == 1.0 else 1.0 / factor)
+        at = n * (hi / batch)  # the same tokens per row (past the largest row too: hi / batch = 1 / factor)
         idx = np.searchsorted((ns[1:] + ns[:-1]) / 2.0, at) if len(ns) > 1 else np.zeros(at.shape, dtype=np.int64)
         return hi, np.where(at > ns[-1], len(ns), idx)
 
@@ -258,15 +261,10 @@ class CostModel:
         per-slot costs, a profiled width or a `width`."""
         if width is None or self.width is None or not self.draft_slot or width == self.width:
             return 0.0
-        i = int(np.searchsorted(self._slot_batches, batch))
-        if i < len(self._slot_batches):
-            slot = self.draft_slot[int(self._slot_batches[i])]
-            if self.lookup == "linear" and i > 0 and int(self._slot_batches[i]) != batch:
-                lo, hi = int(self._slot_batches[i - 1]), int(self._slot_batches[i])
-                slot = self.draft_slot[lo] + (slot - self.draft_slot[lo]) * (batch - lo) / (hi - lo)
-        else:
-            top = int(self._slot_batches[-1])
-            slot = self.draft_slot[top] * batch / top
+        lo, hi, t, factor = self._around(self._slot_batches, batch)
+        if self.lookup == "step":
+            lo, t = hi, 1.0
+        slot = (t * self.draft_slot[hi] + (1.0 - t) * self.draft_slot[lo]) * factor
         return slot * (self.width - int(width)) * self._scale(None, "d")
 
     def _row_scales(self, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -301,22 +299,17 @@ class CostModel:
         return float(self.cost_many(batch, np.array([tokens]), width)[0])
 
     def _plain_key(self, batch: int) -> tuple[int, float]:
-        i = int(np.searchsorted(self._plain_batches, batch))
-        if i < len(self._plain_batches):
-            return int(self._plain_batches[i]), 1.0
-        top = int(self._plain_batches[-1])
-        return top, batch / top
+        """`_row_for` over the plain steps' batch sizes."""
+        _, hi, _, factor = self._around(self._plain_batches, batch)
+        return hi, factor
 
     def _plain_around(self, batch: int) -> list[tuple[int, float]]:
         """The profiled plain rows a plain step of `batch` requests is read from, with their weights (scaled past
         the largest): the next one up with step lookup, the two around it with linear."""
-        b, factor = self._plain_key(batch)
-        i = int(np.searchsorted(self._plain_batches, batch))
-        if self.lookup == "step" or factor != 1.0 or b == batch or i == 0:
-            return [(b, factor)]
-        lo = int(self._plain_batches[i - 1])
-        t = (batch - lo) / (b - lo)
-        return [(b, t), (lo, 1.0 - t)]
+        lo, hi, t, factor = self._around(self._plain_batches, batch)
+        if self.lookup == "step" or lo == hi:
+            return [(hi, factor)]
+        return [(hi, t), (lo, 1.0 - t)]
 
     def plain_cost(self, batch: int) -> float:
         """Seconds of a step that does not draft (target-only decoding of `batch` requests)."""
@@ -867,8 +860,8 @@ class Scheduler:
     size moves over 2x away from the one it was decided at. A probe is skipped too while
     Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
     the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload; corrected per
-    batch bucket by what probes there found, until the workload becomes easier) still predicts no gain at the current batch size and costs, so a
-    batch where drafting never pays probes once per `max_backoff` steps. That gate is read as soon as a probe
+    batch bucket by what probes there found, until the workload becomes easier) still predicts no gain at the
+    current batch size and costs, so a batch where drafting never pays probes once per `max_backoff` steps. That gate is read as soon as a probe
     is within `wake_lead` steps, from the step that decides a back-off on, so a back-off where drafting does
     not pay is `dormant` (the drafter may sleep) from its start. An adaptive policy whose online-corrected
     cost model has measured drafted steps runs one plain step (a plain probe) at a batch size whose plain steps it never measured, and, while
