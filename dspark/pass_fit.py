@@ -14,9 +14,14 @@ Two things the profile (measured on rows of one context length, each pass its ow
 
 The passes' seconds are fitted by exponentially forgetting least squares against what a pass computes: a fixed
 part, the running rows B, the round's query tokens N (the cost model's layout), their attention over the slots
-(N·S), the chunk's prompt tokens P, and whether it was fused (a packed pass: its own fixed part). The N·S slope
-prices the context (`CostModel.set_context`); P's slope is the chunk's share, which the engine takes off a fused
-round before the cost model's correction sees it (benchmarks/results/serving/pass_fit/).
+(N·S), the chunk's prompt tokens P, and whether it was fused (a packed pass: its own fixed part u). The N·S slope
+prices the context (`CostModel.set_context`); p·P + u is the chunk's share, which the engine takes off a fused
+round before the cost model's correction sees it (benchmarks/results/serving/pass_fit/). The fused pass's own part
+belongs to the chunk, not to the round: a round costs it whether it drafts or not, and left in (6-8 ms at 64
+clients on 2 CPU cores, against 45 ms plain and 130 ms drafted rounds) it priced plain rounds, whose few
+measurements nearly all rode with a chunk, about 15% dear and drafted ones 5%, which kept drafting where it did not
+pay (benchmarks/results/serving/fused_part/). u is read only while both fused and unfused passes are seen, the
+only way to tell it from the fixed part every pass pays.
 """
 from __future__ import annotations
 
@@ -27,15 +32,19 @@ import numpy as np
 # feature scales that keep the normal equations well conditioned: a loaded step's rows, query tokens, query ×
 # slot pairs and prompt tokens are each about 1 after scaling
 _SCALES = np.array([1.0, 64.0, 512.0, 512.0 * 512.0, 256.0, 1.0])
-_SLOTS, _CHUNK = 3, 4  # indices of N·S and P
+_SLOTS, _CHUNK, _FUSED = 3, 4, 5  # indices of N·S, P and fused
 
 
 class PassFit:
     """Online fit of target passes: seconds ≈ f + a·B + n·N + s·N·S + p·P + u·fused (s, p ≥ 0 when read).
 
     `slot_seconds` = s, or None until `min_steps` passes whose N·S varied (relative to its mean) were seen;
-    `chunk_seconds(P)` = p·P, or None until `min_steps` fused passes with chunks of differing sizes.
+    `chunk_seconds(P)` = p·P + u, or None until `min_steps` fused passes with chunks of differing sizes (u
+    counted while fused and unfused passes are both common, `_mixed`).
     """
+
+    #: the share of recent passes each of fused and unfused ones must reach before u is read (`_mixed`)
+    MIXED = 0.05
 
     def __init__(self, alpha: float = 0.02, min_steps: int = 16, ridge: float = 1e-3) -> None:
         if not 0 < alpha <= 1:
@@ -45,7 +54,8 @@ class PassFit:
         self._coef: np.ndarray | None = None
         self._xx = np.zeros((6, 6))
         self._xy = np.zeros(6)
-        self._spread = {_SLOTS: [0.0, 0.0, 0.0], _CHUNK: [0.0, 0.0, 0.0]}  # forgetting sums of weight, x, x²
+        # forgetting sums of weight, x, x² (P's over fused passes only)
+        self._spread = {_SLOTS: [0.0, 0.0, 0.0], _CHUNK: [0.0, 0.0, 0.0], _FUSED: [0.0, 0.0, 0.0]}
 
     def observe(self, seconds: float, batch: int, tokens: int, slots: int, prompt_tokens: int = 0,
                 fused: bool = False) -> None:
@@ -78,6 +88,12 @@ class PassFit:
         mean = s1 / w
         return (s2 / w - mean * mean) / (mean * mean) >= 0.01
 
+    def _mixed(self) -> bool:
+        """Whether fused and unfused passes have both been common lately (each at least MIXED of them, forgetting
+        as the fit does): what tells a fused pass's own part from the fixed part of every pass."""
+        w, s1, _ = self._spread[_FUSED]
+        return w > 0 and self.MIXED <= s1 / w <= 1.0 - self.MIXED
+
     @property
     def slot_seconds(self) -> float | None:
         """Seconds one query token's attention adds per cache slot (None: not fitted yet)."""
@@ -86,11 +102,13 @@ class PassFit:
         return max(0.0, float(self._coef[_SLOTS]))
 
     def chunk_seconds(self, prompt_tokens: int) -> float | None:
-        """A fused chunk's share of its pass, feeding `prompt_tokens` prompt tokens (None: not fitted yet)."""
+        """A fused chunk's share of its pass, feeding `prompt_tokens` prompt tokens: its per-token slope and the
+        fused pass's own fixed part (None: not fitted yet)."""
         if self._coef is None or self.fused_steps < self.min_steps or not self._varied(_CHUNK):
             return None
-        return max(0.0, float(self._coef[_CHUNK])) * prompt_tokens
+        own = max(0.0, float(self._coef[_FUSED])) if self._mixed() else 0.0
+        return max(0.0, float(self._coef[_CHUNK])) * prompt_tokens + own
 
     def __repr__(self) -> str:
-        return (f"PassFit(slot_seconds={self.slot_seconds}, per_prompt_token={self.chunk_seconds(1)}, "
+        return (f"PassFit(slot_seconds={self.slot_seconds}, one_token_chunk={self.chunk_seconds(1)}, "
                 f"steps={self.steps}, fused={self.fused_steps})")

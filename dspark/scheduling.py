@@ -467,9 +467,12 @@ class CostModel:
         entry = self._kinds.get("d" if drafted else "p")
         return entry is not None and self._count - entry[2] <= self.stale_after
 
-    def plain_measured(self, batch: int) -> bool:
-        """Whether a plain step of `batch` requests (its profiled row) has ever been measured."""
-        return ("p", self._plain_key(batch)[0]) in self._cells
+    def plain_measured(self, batch: int, recently: bool = False) -> bool:
+        """Whether a plain step of `batch` requests (its profiled row) has ever been measured (`recently`: within
+        the last `stale_after` measurements, so that its correction is its own rather than one moved with the
+        level since)."""
+        key = ("p", self._plain_key(batch)[0])
+        return self._runs(key) > 0 if recently else key in self._cells
 
     # -- (de)serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -864,9 +867,10 @@ class Scheduler:
     current batch size and costs, so a batch where drafting never pays probes once per `max_backoff` steps. That gate is read as soon as a probe
     is within `wake_lead` steps, from the step that decides a back-off on, so a back-off where drafting does
     not pay is `dormant` (the drafter may sleep) from its start. An adaptive policy whose online-corrected
-    cost model has measured drafted steps runs one plain step (a plain probe) at a batch size whose plain steps it never measured, and, while
-    `unsure`, when no plain step was measured in the model's last `stale_after` steps: its comparison then
-    reads plain costs as measured under the same load.
+    cost model has measured drafted steps runs one plain step (a plain probe) at a batch size whose plain steps it
+    never measured, and, while
+    its smoothed gain is below PLAIN_CHECK_GAIN, when no plain step of that batch row was measured in the model's
+    last `stale_after` steps: its comparison then reads plain costs as measured under the same load.
 
     An adaptive policy also chooses how many slots the next step drafts (`draft_limit`), before drafting and
     from the last planned step only (non-anticipating): the width at which that step's survivals gave the
@@ -884,6 +888,13 @@ class Scheduler:
     GATE_EASIER = 1.2
     #: expected relative gain of drafting below which the policy calls itself unsure (`unsure`)
     UNSURE_GAIN = 0.5
+    #: expected relative gain of drafting below which a plain step's cost at the batch size is measured again
+    #: once its last measurement is stale (`wants_drafts`). The gain is judged against that cost: at 64 clients,
+    #: temperature 1, one plain probe read 1.4x its neighbours and, its cell stale and moving with the drafted
+    #: rows' level after, priced plain rounds 1.5x what they took (79 against 50 ms), a gain of 0.57 in log
+    #: where drafting gained nothing; a policy that probes only while unsure (gain below 0.41) never checked it.
+    #: A plain probe at 64 clients costs about a third of a drafted step's time.
+    PLAIN_CHECK_GAIN = 1.0
     #: drafted steps after which a plan skipped as not paying (`plan_pays`) runs again
     PLAN_REFRESH = 16
     #: weight of a planned step in the smoothed advantage of planning and in its measured own work
@@ -942,6 +953,12 @@ class Scheduler:
         """Whether the smoothed expected gain of drafting over plain decoding is small (below UNSURE_GAIN, or
         not known yet): where measuring plain decoding against drafting is worth its time."""
         return self._gain is None or self._gain < math.log1p(self.UNSURE_GAIN)
+
+    @property
+    def _close_call(self) -> bool:
+        """Whether the smoothed expected gain is below PLAIN_CHECK_GAIN (or not known yet): close enough that a
+        plain step's cost, not measured lately at this batch size, is measured again (`wants_drafts`)."""
+        return self._gain is None or self._gain < math.log1p(self.PLAIN_CHECK_GAIN)
 
     @property
     def draft_limit(self) -> int | None:
@@ -1066,10 +1083,10 @@ class Scheduler:
             return False
         cost = self._last_cost
         if self.adaptive and cost is not None and cost.measured_recently(True) and (
-                not cost.plain_measured(num_rows) or (self.unsure and not cost.measured_recently(False))):
+                not cost.plain_measured(num_rows) or (self._close_call and not cost.plain_measured(num_rows, True))):
             # the online-corrected costs compare measured drafted steps with plain ones never measured at this
-            # batch size, or not lately: one plain step measures them (serving can inflate drafted rounds more
-            # than plain ones)
+            # batch size, or not lately while the call is close: one plain step measures them (serving can
+            # inflate drafted rounds more than plain ones, and a stale plain cost moves with drafted rows)
             self.plain_probes += 1
             return False
         self._since_probe = 0

@@ -16,7 +16,8 @@ from dspark.pass_fit import PassFit
 from dspark.sampling import SamplingParams
 from dspark.scheduling import uniform_cost_model
 
-SLOT, CHUNK = 4e-7, 1.7e-4  # the law's seconds per query token per slot, and per prompt token
+SLOT, CHUNK, OWN = 4e-7, 1.7e-4, 0.004  # the law's seconds per query token per slot, per prompt token, and a fused
+# pass's own fixed part
 
 
 def loaded_pass(rng: np.random.Generator, fused: bool | None = None) -> tuple[float, int, int, int, int, bool]:
@@ -26,7 +27,7 @@ def loaded_pass(rng: np.random.Generator, fused: bool | None = None) -> tuple[fl
     slots = int(rng.integers(100, 600))
     fused = bool(rng.integers(0, 2)) if fused is None else fused
     prompt = int(rng.integers(8, 257)) if fused else 0
-    seconds = 0.003 + 2e-4 * batch + 8e-5 * tokens + SLOT * tokens * slots + CHUNK * prompt + 0.002 * fused
+    seconds = 0.003 + 2e-4 * batch + 8e-5 * tokens + SLOT * tokens * slots + CHUNK * prompt + OWN * fused
     return seconds * float(rng.normal(1.0, 0.05)), batch, tokens, slots, prompt, fused
 
 
@@ -36,7 +37,24 @@ def test_the_context_and_chunk_slopes_are_recovered_from_noisy_passes() -> None:
     for _ in range(400):
         fit.observe(*loaded_pass(rng))
     assert fit.slot_seconds == pytest.approx(SLOT, rel=0.1)
-    assert fit.chunk_seconds(200) == pytest.approx(200 * CHUNK, rel=0.1)
+    assert fit.chunk_seconds(200) == pytest.approx(200 * CHUNK + OWN, rel=0.1)
+    assert fit.chunk_seconds(200) - fit.chunk_seconds(100) == pytest.approx(100 * CHUNK, rel=0.1)
+
+
+def test_a_fused_pass_own_part_counts_only_where_unfused_passes_tell_it_apart() -> None:
+    """The chunk's share holds the fused pass's own fixed part while both kinds of pass are common; with every
+    pass fused that part cannot be told from every pass's fixed part, and only the per-token slope is read."""
+    rng = np.random.default_rng(4)
+    mixed, fused_only = PassFit(), PassFit()
+    for _ in range(400):
+        mixed.observe(*loaded_pass(rng))
+        fused_only.observe(*loaded_pass(rng, fused=True))
+    assert mixed.chunk_seconds(0) == pytest.approx(OWN, rel=0.25)
+    assert fused_only.chunk_seconds(0) == 0.0
+    assert fused_only.chunk_seconds(200) == pytest.approx(200 * CHUNK, rel=0.1)
+    for _ in range(150):  # unfused passes only from now on: the share of fused ones falls below MIXED
+        mixed.observe(*loaded_pass(rng, fused=False))
+    assert mixed.chunk_seconds(0) == 0.0
 
 
 def test_the_fit_follows_a_change_of_machine_speed() -> None:
@@ -49,7 +67,7 @@ def test_the_fit_follows_a_change_of_machine_speed() -> None:
         seconds, *rest = loaded_pass(rng)
         fit.observe(2 * seconds, *rest)
     assert fit.slot_seconds == pytest.approx(2 * SLOT, rel=0.15)
-    assert fit.chunk_seconds(100) == pytest.approx(2 * 100 * CHUNK, rel=0.15)
+    assert fit.chunk_seconds(100) == pytest.approx(2 * (100 * CHUNK + OWN), rel=0.15)
 
 
 def test_nothing_is_read_until_it_has_varied() -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -978,3 +979,28 @@ def test_best_width_matches_pricing_each_widths_path(layout):
         lim = rng.integers(0, gamma + 1, num)
         budget = None if trial % 2 else int(rng.integers(num, num * (gamma + 1) + 1))
         assert best_width(a, lim, cost, budget) == _best_width_by_paths(a, lim, cost, budget)
+
+
+def test_a_close_call_measures_a_stale_plain_cost_again_before_drafting_on_it():
+    """Served at 64 clients, temperature 1: one plain probe read 1.4x its neighbours, its cell went stale and
+    moved with the drafted rows' level after, and plain rounds were priced at 79 ms where they took 50: a
+    smoothed gain of 0.57 in log, above the unsure mark (0.41), so a policy that re-measured plain steps only
+    while unsure drafted on where drafting gained nothing. Below PLAIN_CHECK_GAIN a stale plain cost is measured
+    again (one plain step); a fresh one, or a gain above the mark, drafts."""
+    cost = uniform_cost_model(gamma=7, batches=(16, 64), draft_share=1.0, per_token=0.01, layout="padded")
+    cost.observe(64, 64, 1.6 * cost.plain_cost(64), drafted=False)
+    for _ in range(cost.stale_after + 1):  # drafted steps only since: the plain cell is stale
+        cost.observe(64, 256, cost.cost(64, 256), drafted=True)
+    assert cost.plain_measured(64) and not cost.plain_measured(64, recently=True)
+
+    def first_step(gain: float) -> tuple[bool, int]:
+        s = Scheduler("dspark", gamma=7)
+        s._gain, s._last_cost = gain, cost
+        return s.wants_drafts(64), s.plain_probes
+
+    close, clear = math.log(1.6), math.log1p(Scheduler.PLAIN_CHECK_GAIN) + 0.1
+    assert math.log1p(Scheduler.UNSURE_GAIN) < close < math.log1p(Scheduler.PLAIN_CHECK_GAIN)
+    assert first_step(close) == (False, 1)  # a plain probe
+    assert first_step(clear) == (True, 0)
+    cost.observe(64, 64, cost.plain_cost(64), drafted=False)  # measured again: fresh
+    assert cost.plain_measured(64, recently=True) and first_step(close) == (True, 0)

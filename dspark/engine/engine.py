@@ -88,11 +88,12 @@ class StepInfo:
     draft_seconds / schedule_seconds / target_seconds: its drafting call, survival + scheduler, and its target
     pass; prefill_seconds: the step's prefill chunk; step_seconds: the whole engine step. tokens: the verify pass's
     query tokens in the cost model's layout. predicted_seconds: the cost model's figure for this round before it
-    was measured (online correction included; None without a cost model). started: perf_counter() when the step
-    began (the gap to the previous step's end is time the engine thread spent outside `step`). kv_slots: the
-    target cache's slots a row attends over before the round's pass, averaged over rows (holes left by
-    rolled-back drafts included; from each row's first slot on where attention runs in row segments, the
-    cache's width otherwise: `CausalLM.attended_slots`);
+    was measured (online correction included; None without a cost model); plain_predicted_seconds: its figure
+    for a plain round of the same batch at the same moment (what a drafted round was weighed against).
+    started: perf_counter() when the step began (the gap to the previous step's end is time the engine thread
+    spent outside `step`). kv_slots: the target cache's slots a row attends over before the round's pass,
+    averaged over rows (holes left by rolled-back drafts included; from each row's first slot on where attention
+    runs in row segments, the cache's width otherwise: `CausalLM.attended_slots`);
     kv_live: the tokens the rows hold (their lengths summed); join_seconds: the part of prefill_seconds spent
     moving finished prefills into the batch (target cache and drafter state). prefill_slots: the prefill pass's
     prefilling rows × its width (prefill_tokens plus padding).
@@ -110,7 +111,9 @@ class StepInfo:
     thread's CPU time over the whole step (`time.thread_time`); with one torch thread on a CPU, step_seconds −
     cpu_seconds is time the thread waited (for the interpreter lock, or for a core), not computed.
     expected_accepted: a planned round's calibrated survivals summed over the drafts it verifies (the accepted
-    drafts its plan expected; None when not planned or planned without survivals).
+    drafts its plan expected; None when not planned or planned without survivals). sort_seconds: the step's
+    look at the running rows' order and the reorder, if it made one (`EngineConfig.sort_rows`; outside the
+    round, inside step_seconds).
     """
 
     batch: int
@@ -128,6 +131,7 @@ class StepInfo:
     prefill_seconds: float = 0.0
     step_seconds: float = 0.0
     predicted_seconds: float | None = None
+    plain_predicted_seconds: float | None = None
     started: float = 0.0
     kv_slots: float = 0.0
     kv_live: int = 0
@@ -138,6 +142,7 @@ class StepInfo:
     planned: bool = False
     fused_prefill: bool = False
     draft_width: int | None = None
+    sort_seconds: float = 0.0
     expected_gain: float | None = None
     backoff_left: int = 0
     gate_bias: float | None = None
@@ -397,7 +402,9 @@ class Engine:
         self._drop_cancelled(outputs)
         self._rejudge_load()
         self._update_sleep()
+        sort_start = time.perf_counter()
         self._sort_rows()
+        sort_seconds = time.perf_counter() - sort_start
         self._admit()
         prefill_start = time.perf_counter()
         self._join_seconds, self._prefill_slots = 0.0, 0
@@ -424,6 +431,7 @@ class Engine:
             info.prefill_tokens, info.prefill_seconds = prefill_tokens, prefill_seconds
             info.join_seconds, info.prefill_slots = self._join_seconds, self._prefill_slots
             info.step_seconds, info.started = time.perf_counter() - start, start
+            info.sort_seconds = sort_seconds
             info.cpu_seconds = time.thread_time() - cpu_start
             if self.on_step is not None:
                 self.on_step(info)
@@ -832,11 +840,11 @@ class Engine:
         per_slot = self._pass_fit.slot_seconds if self.config.paid_compaction else None
         if per_slot is not None:  # what the holes cost this pass's queries
             self._hole_rent += per_slot * tokens * holes
-        predicted = chunk = None
+        predicted = plain_predicted = chunk = None
         if self.cost_model is not None:
-            predicted = (self.cost_model.cost(len(rows), tokens, drafted_width) if drafted
-                         else self.cost_model.plain_cost(len(rows)))
-            predicted -= self.cost_model.overhead.fixed(len(rows))  # the round's own figure (overhead is outside it)
+            fixed = self.cost_model.overhead.fixed(len(rows))  # the round's own figures (overhead is outside them)
+            plain_predicted = self.cost_model.plain_cost(len(rows)) - fixed
+            predicted = self.cost_model.cost(len(rows), tokens, drafted_width) - fixed if drafted else plain_predicted
             if self.config.online_cost and not faulted:
                 measured = seconds
                 if side is not None and not self.config.pass_fit:
@@ -862,7 +870,8 @@ class Engine:
         self._leave([r for r, req in enumerate(rows) if req.finished], None, outputs)
         info = StepInfo(len(rows), tokens, drafted, seconds, lens, theta, capacity, list(res.accepted),
                         draft_seconds=draft_seconds, schedule_seconds=schedule_seconds,
-                        target_seconds=target_seconds, predicted_seconds=predicted, kv_slots=kv_slots,
+                        target_seconds=target_seconds, predicted_seconds=predicted,
+                        plain_predicted_seconds=plain_predicted, kv_slots=kv_slots,
                         kv_live=kv_live, asleep=self._asleep,
                         blind=sum(req.seq in self._blind for req in rows) if self._blind else 0, planned=planned,
                         draft_width=drafted_width if drafted else None,

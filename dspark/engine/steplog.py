@@ -1,13 +1,14 @@
 """A per-step trace of the engine: one JSON line per decoding step (`dspark serve --step-log FILE`).
 
 Each line holds what `StepInfo` measured (batch, query tokens, drafted or not, round / step / prefill / drafting /
-target seconds, the cost model's prediction, drafts verified and accepted, the target cache's slots per row and
-live tokens, the time spent joining finished prefills, whether the scheduler planned the round, the drafted
-width, an adaptive scheduler's smoothed expected gain, back-off left and gate correction, the engine thread's CPU
-time over the step, the accepted drafts a planned round expected) and `started`, the
-step's start on the process's perf_counter clock, so that gaps between steps (time the engine thread spent
-outside `step`: dispatching outputs, waiting for the interpreter lock) can be read off. The file is appended to while the
-server runs, a line at a time: a reader skips a last line cut short by a crash (`read_step_log`).
+target seconds, the cost model's prediction and its figure for a plain round, drafts verified and accepted, the
+target cache's slots per row and live tokens, the time spent joining finished prefills, whether the scheduler
+planned the round, the drafted width, an adaptive scheduler's smoothed expected gain, back-off left and gate
+correction, the engine thread's CPU time over the step, the accepted drafts a planned round expected, the time spent
+reordering the running rows) and `started`, the step's start on the process's perf_counter clock, so that gaps
+between steps (time the engine thread spent outside `step`: dispatching outputs, waiting for the interpreter lock)
+can be read off. The file is appended to while the server runs, a line at a time: a reader skips a last line cut
+short by a crash (`read_step_log`).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def step_record(info: StepInfo) -> dict:
         "draft_seconds": round(info.draft_seconds, 6), "schedule_seconds": round(info.schedule_seconds, 6),
         "target_seconds": round(info.target_seconds, 6),
         "predicted_seconds": None if info.predicted_seconds is None else round(info.predicted_seconds, 6),
+        "plain_predicted_seconds": (None if info.plain_predicted_seconds is None
+                                    else round(info.plain_predicted_seconds, 6)),
         "expected_throughput": info.expected_throughput, "capacity": info.capacity,
         "kv_slots": info.kv_slots, "kv_live": info.kv_live, "join_seconds": round(info.join_seconds, 6),
         "asleep": info.asleep, "blind": info.blind, "planned": info.planned, "fused_prefill": info.fused_prefill,
@@ -45,6 +48,7 @@ def step_record(info: StepInfo) -> dict:
         "chunk_seconds": None if info.chunk_seconds is None else round(info.chunk_seconds, 6),
         "cpu_seconds": round(info.cpu_seconds, 6),
         "expected_accepted": None if info.expected_accepted is None else round(info.expected_accepted, 3),
+        "sort_seconds": round(info.sort_seconds, 6),
     }
 
 
