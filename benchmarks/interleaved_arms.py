@@ -28,8 +28,10 @@ by admitting single candidates instead of whole widths, `Scheduler.by_width`; `+
 calibrator refit as often as every step, `OnlineCalibrator(refit_steps=1)`; `+oldfold` keeps one folded
 attention mask, known by its tensor object, as before the masks of a packed pass were each folded once,
 `dspark.attention.one_fold_kept`; `+steplookup` / `+linearlookup` read the step-cost table rounding B and N up
-to profiled values / interpolating between them, `CostModel.lookup`, where the default is the device's); `--warmup` blocks run first and are not
-counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
+to profiled values / interpolating between them, `CostModel.lookup`, where the default is the device's);
+`+nofusedpart` takes a fused round's chunk share without the fused pass's own fixed part (`PassFit.MIXED`);
+`+unsureplaincheck` re-measures a stale plain price only while the policy is unsure, below log 1.5
+(`Scheduler.PLAIN_CHECK_GAIN`), as before 82dd54a. `--warmup` blocks run first and are not counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
 that verify the same lengths (every fixed K, or K and itself) replay the same sample in every block and every
@@ -94,7 +96,8 @@ class Arm:
         self.spec = spec
         name, *flags = spec.split("+")
         known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "unsegmented", "onegroup",
-                 "twogroups", "pathcut", "refitperstep", "oldfold", "steplookup", "linearlookup")
+                 "twogroups", "pathcut", "refitperstep", "oldfold", "steplookup", "linearlookup", "nofusedpart",
+                 "unsureplaincheck")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
@@ -103,7 +106,9 @@ class Arm:
                              f"+onegroup / +twogroups (the running rows in one padded cache / split in two by length) or "
                              f"+pathcut (Algorithm 1 admitting single candidates in the padded layout) or "
                              f"+refitperstep (the online calibrator refitting as often as every step) or "
-                             f"+steplookup / +linearlookup (the cost table read rounding up / interpolating)")
+                             f"+steplookup / +linearlookup (the cost table read rounding up / interpolating) or "
+                             f"+nofusedpart (a fused chunk's share without the fused pass's own part) or "
+                             f"+unsureplaincheck (stale plain prices re-measured only while unsure)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -125,7 +130,11 @@ class Arm:
                               pass_fit="nopassfit" not in flags, paid_compaction="paidcompact" in flags,
                               row_groups=2 if "twogroups" in flags else 1 if "onegroup" in flags else
                               EngineConfig.row_groups, sort_rows="unsegmented" not in flags)
+        if "unsureplaincheck" in flags:
+            scheduler.PLAIN_CHECK_GAIN = scheduler.UNSURE_GAIN
         self.engine = Engine(self.target, drafter, scheduler, cost, config, calibrator)
+        if "nofusedpart" in flags:
+            self.engine._pass_fit.MIXED = 1.0  # fused and unfused passes never both common: no own part read
         self.concurrency, self.temperature, self.ignore_eos = concurrency, temperature, ignore_eos
         self.unfolded = "unfolded" in flags
         self.unsegmented = "unsegmented" in flags

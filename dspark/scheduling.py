@@ -869,8 +869,9 @@ class Scheduler:
     not pay is `dormant` (the drafter may sleep) from its start. An adaptive policy whose online-corrected
     cost model has measured drafted steps runs one plain step (a plain probe) at a batch size whose plain steps it
     never measured, and, while
-    its smoothed gain is below PLAIN_CHECK_GAIN, when no plain step of that batch row was measured in the model's
-    last `stale_after` steps: its comparison then reads plain costs as measured under the same load.
+    its smoothed gain is below PLAIN_CHECK_GAIN, when no plain step of that batch row (and none at all) was
+    measured in the model's last `stale_after` steps: its comparison then reads plain costs as measured under
+    the same load.
 
     An adaptive policy also chooses how many slots the next step drafts (`draft_limit`), before drafting and
     from the last planned step only (non-anticipating): the width at which that step's survivals gave the
@@ -1083,10 +1084,12 @@ class Scheduler:
             return False
         cost = self._last_cost
         if self.adaptive and cost is not None and cost.measured_recently(True) and (
-                not cost.plain_measured(num_rows) or (self._close_call and not cost.plain_measured(num_rows, True))):
+                not cost.plain_measured(num_rows) or (self._close_call and not cost.plain_measured(num_rows, True)
+                                                      and not cost.measured_recently(False))):
             # the online-corrected costs compare measured drafted steps with plain ones never measured at this
             # batch size, or not lately while the call is close: one plain step measures them (serving can
-            # inflate drafted rounds more than plain ones, and a stale plain cost moves with drafted rows)
+            # inflate drafted rounds more than plain ones, and a stale plain cost moves with drafted rows); at
+            # most one such step per `stale_after` measurements, however the batch size moves between rows
             self.plain_probes += 1
             return False
         self._since_probe = 0

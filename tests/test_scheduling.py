@@ -986,7 +986,8 @@ def test_a_close_call_measures_a_stale_plain_cost_again_before_drafting_on_it():
     moved with the drafted rows' level after, and plain rounds were priced at 79 ms where they took 50: a
     smoothed gain of 0.57 in log, above the unsure mark (0.41), so a policy that re-measured plain steps only
     while unsure drafted on where drafting gained nothing. Below PLAIN_CHECK_GAIN a stale plain cost is measured
-    again (one plain step); a fresh one, or a gain above the mark, drafts."""
+    again (one plain step, at most one per stale_after measurements); a fresh one, or a gain above the mark,
+    drafts."""
     cost = uniform_cost_model(gamma=7, batches=(16, 64), draft_share=1.0, per_token=0.01, layout="padded")
     cost.observe(64, 64, 1.6 * cost.plain_cost(64), drafted=False)
     for _ in range(cost.stale_after + 1):  # drafted steps only since: the plain cell is stale
@@ -1002,5 +1003,7 @@ def test_a_close_call_measures_a_stale_plain_cost_again_before_drafting_on_it():
     assert math.log1p(Scheduler.UNSURE_GAIN) < close < math.log1p(Scheduler.PLAIN_CHECK_GAIN)
     assert first_step(close) == (False, 1)  # a plain probe
     assert first_step(clear) == (True, 0)
+    cost.observe(16, 16, cost.plain_cost(16), drafted=False)  # a plain step at another batch row just now:
+    assert first_step(close) == (True, 0)  # at most one check per stale_after measurements, whatever the row
     cost.observe(64, 64, cost.plain_cost(64), drafted=False)  # measured again: fresh
     assert cost.plain_measured(64, recently=True) and first_step(close) == (True, 0)
