@@ -45,6 +45,11 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
         # clocks' resolution and torch's other threads, whose CPU time thread_time does not count)
         assert rec["cpu_seconds"] == round(info.cpu_seconds, 6) and 0 < rec["cpu_seconds"] <= rec["step_seconds"] + 2e-3
         assert rec["predicted_seconds"] is not None and rec["predicted_seconds"] > 0
+        assert rec["plain_predicted_seconds"] is not None and rec["plain_predicted_seconds"] > 0
+        if not info.drafted:  # a plain round's prediction is the plain price
+            assert rec["plain_predicted_seconds"] == rec["predicted_seconds"]
+        assert rec["page_faults"] == info.page_faults and (rec["page_faults"] is None or rec["page_faults"] >= 0)
+        assert 0.0 <= rec["sort_seconds"] <= rec["step_seconds"] - rec["seconds"] + 1e-6
         # the adaptive scheduler's state after the step: its gain once a step was planned, the back-off it keeps
         assert rec["backoff_left"] == info.backoff_left >= 0
         assert (rec["expected_gain"] is None) == (info.expected_gain is None)
@@ -108,3 +113,31 @@ def test_a_failed_write_ends_the_log_without_failing_the_step(tmp_path, caplog):
     log(StepInfo(batch=1, tokens=1, drafted=False, seconds=0.01, lengths=[0]))
     assert log._file.closed and "no more steps are recorded" in caplog.text
     log(StepInfo(batch=1, tokens=1, drafted=False, seconds=0.01, lengths=[0]))  # later steps: ignored
+
+
+def test_page_faults_are_counted_per_thread():
+    """Touching fresh memory in one thread shows in that thread's count, not in another's (where the platform
+    counts them per thread)."""
+    import threading
+
+    import numpy as np
+
+    from dspark.engine.engine import thread_page_faults
+
+    if thread_page_faults() is None:
+        pytest.skip("no per-thread page fault counts on this platform")
+    counts = {}
+
+    def touch():
+        before = thread_page_faults()
+        buf = np.ones(256 << 20, dtype=np.uint8)  # 256 MiB, above the mmap threshold: fresh pages
+        counts["toucher"] = thread_page_faults() - before
+        del buf
+
+    quiet_before = thread_page_faults()
+    worker = threading.Thread(target=touch)
+    worker.start()
+    worker.join()
+    quiet = thread_page_faults() - quiet_before
+    # at least one fault per 2 MiB (transparent huge pages fault a 2 MiB page at a time, 4 KiB pages 512 times more)
+    assert counts["toucher"] >= (256 << 20) // (2 << 20) and quiet < counts["toucher"] // 2

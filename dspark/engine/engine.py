@@ -48,6 +48,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 from collections import deque
 from itertools import groupby
 from dataclasses import dataclass, field, replace
@@ -74,6 +79,12 @@ DRAFT_BACKOFF_MAX = 64  # rounds drafting stays paused at most after a slow draf
 SORT_EVERY = 8  # steps between looks at whether sorting the running rows pays (`EngineConfig.sort_rows`)
 SORT_GAIN = 0.2  # the share of attention's segment cost (`dspark.attention.segment_cost`) a sort must save
 LATE_WARMUP = 8  # rounds a row whose drafter context started late (`Drafter.join_late`) goes undrafted
+
+
+def thread_page_faults() -> int | None:
+    """The calling thread's minor page faults so far (Linux `getrusage(RUSAGE_THREAD)`; None elsewhere)."""
+    who = getattr(resource, "RUSAGE_THREAD", None) if resource is not None else None
+    return None if who is None else int(resource.getrusage(who).ru_minflt)
 
 
 class QueueFull(RuntimeError):
@@ -113,7 +124,8 @@ class StepInfo:
     expected_accepted: a planned round's calibrated survivals summed over the drafts it verifies (the accepted
     drafts its plan expected; None when not planned or planned without survivals). sort_seconds: the step's
     look at the running rows' order and the reorder, if it made one (`EngineConfig.sort_rows`; outside the
-    round, inside step_seconds).
+    round, inside step_seconds). page_faults: the engine thread's minor page faults over the step (memory touched
+    for the first time since the kernel mapped it; None where the platform does not count them per thread).
     """
 
     batch: int
@@ -148,6 +160,7 @@ class StepInfo:
     gate_bias: float | None = None
     chunk_seconds: float | None = None
     cpu_seconds: float = 0.0
+    page_faults: int | None = None
     expected_accepted: float | None = None
 
 
@@ -393,7 +406,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what each request committed in it (finished ones included)."""
-        start, cpu_start = time.perf_counter(), time.thread_time()
+        start, cpu_start, faults_start = time.perf_counter(), time.thread_time(), thread_page_faults()
         self._observe_overhead(start)
         self._observe_rate(start)
         committed = self._committed
@@ -433,6 +446,8 @@ class Engine:
             info.step_seconds, info.started = time.perf_counter() - start, start
             info.sort_seconds = sort_seconds
             info.cpu_seconds = time.thread_time() - cpu_start
+            faults = thread_page_faults()
+            info.page_faults = None if faults is None or faults_start is None else faults - faults_start
             if self.on_step is not None:
                 self.on_step(info)
         self._last_round = None if info is None else \
