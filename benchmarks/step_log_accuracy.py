@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from dspark.engine.steplog import read_step_log
-from dspark.pass_fit import PassFit
+from dspark.pass_fit import PassFit, less_chunk
 
 BUCKETS = ((1, 8), (8, 24), (24, 40), (40, 65), (65, 1 << 20))
 
@@ -33,7 +33,7 @@ def log_ratios(steps: list[dict]) -> list[tuple[int, bool, bool, float]]:
                     fused)
         if not x["predicted_seconds"] or (fused and chunk is None):
             continue
-        measured = max(x["seconds"] - chunk, 0.5 * x["seconds"]) if fused else x["seconds"]
+        measured = less_chunk(x["seconds"], chunk) if fused else x["seconds"]
         out.append((x["batch"], bool(x["drafted"]), fused, math.log(measured / x["predicted_seconds"])))
     return out
 

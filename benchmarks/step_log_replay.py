@@ -19,7 +19,7 @@ import argparse
 from typing import Iterator
 
 from dspark.engine.steplog import read_step_log
-from dspark.pass_fit import PassFit
+from dspark.pass_fit import PassFit, less_chunk
 from dspark.scheduling import CostModel
 
 
@@ -36,7 +36,7 @@ def replay(steps: list[dict], cost: CostModel, batch: int) -> Iterator[dict]:
         measured = x["seconds"]
         if x["fused_prefill"]:
             chunk = x.get("chunk_seconds")
-            measured = None if chunk is None else max(measured - chunk, 0.5 * measured)
+            measured = None if chunk is None else less_chunk(measured, chunk)
         if measured is not None and x.get("predicted_seconds") is not None:
             cost.observe(x["batch"], x["tokens"], measured, x["drafted"], x.get("draft_width"), slots=slots)
         fit.observe(x["target_seconds"], x["batch"], x["tokens"], slots or 0,

@@ -35,6 +35,12 @@ _SCALES = np.array([1.0, 64.0, 512.0, 512.0 * 512.0, 256.0, 1.0])
 _SLOTS, _CHUNK, _FUSED = 3, 4, 5  # indices of N·S, P and fused
 
 
+def less_chunk(seconds: float, chunk: float) -> float:
+    """A fused round's seconds less its chunk's share, never below half the round (a share fitted too large
+    must not price the round at nothing)."""
+    return max(seconds - chunk, 0.5 * seconds)
+
+
 class PassFit:
     """Online fit of target passes: seconds ≈ f + a·B + n·N + s·N·S + p·P + u·fused (s, p ≥ 0 when read).
 

@@ -953,13 +953,11 @@ class Scheduler:
     def unsure(self) -> bool:
         """Whether the smoothed expected gain of drafting over plain decoding is small (below UNSURE_GAIN, or
         not known yet): where measuring plain decoding against drafting is worth its time."""
-        return self._gain is None or self._gain < math.log1p(self.UNSURE_GAIN)
+        return self._gain_below(self.UNSURE_GAIN)
 
-    @property
-    def _close_call(self) -> bool:
-        """Whether the smoothed expected gain is below PLAIN_CHECK_GAIN (or not known yet): close enough that a
-        plain step's cost, not measured lately at this batch size, is measured again (`wants_drafts`)."""
-        return self._gain is None or self._gain < math.log1p(self.PLAIN_CHECK_GAIN)
+    def _gain_below(self, relative: float) -> bool:
+        """Whether the smoothed expected gain is below log(1 + relative), or not known yet."""
+        return self._gain is None or self._gain < math.log1p(relative)
 
     @property
     def draft_limit(self) -> int | None:
@@ -1084,8 +1082,9 @@ class Scheduler:
             return False
         cost = self._last_cost
         if self.adaptive and cost is not None and cost.measured_recently(True) and (
-                not cost.plain_measured(num_rows) or (self._close_call and not cost.plain_measured(num_rows, True)
-                                                      and not cost.measured_recently(False))):
+                not cost.plain_measured(num_rows)
+                or (self._gain_below(self.PLAIN_CHECK_GAIN) and not cost.plain_measured(num_rows, True)
+                    and not cost.measured_recently(False))):
             # the online-corrected costs compare measured drafted steps with plain ones never measured at this
             # batch size, or not lately while the call is close: one plain step measures them (serving can
             # inflate drafted rounds more than plain ones, and a stale plain cost moves with drafted rows); at

@@ -48,15 +48,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from itertools import groupby
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, NamedTuple
 
 try:
     import resource
 except ImportError:  # not on Windows
     resource = None
-from collections import deque
-from itertools import groupby
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, NamedTuple
 
 import torch
 
@@ -67,7 +67,7 @@ from dspark.engine.rate_guard import RateGuard
 from dspark.engine.request import Request, RequestOutput, RoundStats
 from dspark.engine.survival import reads_q, survival_for
 from dspark.engine.text import TextStream
-from dspark.pass_fit import PassFit
+from dspark.pass_fit import PassFit, less_chunk
 from dspark.row_groups import RowGroups
 from dspark.sampling import BatchSampling, SamplingParams, make_generator
 from dspark.scheduling import CostModel, Scheduler, step_tokens
@@ -866,7 +866,7 @@ class Engine:
                     measured = None
                 elif side is not None:  # a fused pass fed the chunk too: its share comes off once it is fitted
                     chunk = self._pass_fit.chunk_seconds(prompt_tokens)
-                    measured = None if chunk is None else max(seconds - chunk, 0.5 * seconds)
+                    measured = None if chunk is None else less_chunk(seconds, chunk)
                 if measured is not None:
                     self.cost_model.observe(len(rows), tokens, measured, drafted, drafted_width, slots=kv_slots)
         if self._warming and not self._asleep:  # the drafter observed one more round of each late row
