@@ -31,7 +31,8 @@ attention mask, known by its tensor object, as before the masks of a packed pass
 to profiled values / interpolating between them, `CostModel.lookup`, where the default is the device's);
 `+nofusedpart` takes a fused round's chunk share without the fused pass's own fixed part (`PassFit.MIXED`);
 `+unsureplaincheck` re-measures a stale plain price only while the policy is unsure, below log 1.5
-(`Scheduler.PLAIN_CHECK_GAIN`), as before 82dd54a. `--warmup` blocks run first and are not counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
+(`Scheduler.PLAIN_CHECK_GAIN`), as before 82dd54a; `+nomargin` switches between drafting and backing off at
+a gain of zero, without `Scheduler.SWITCH_MARGIN`. `--warmup` blocks run first and are not counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
 that verify the same lengths (every fixed K, or K and itself) replay the same sample in every block and every
@@ -97,7 +98,7 @@ class Arm:
         name, *flags = spec.split("+")
         known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "unsegmented", "onegroup",
                  "twogroups", "pathcut", "refitperstep", "oldfold", "steplookup", "linearlookup", "nofusedpart",
-                 "unsureplaincheck")
+                 "unsureplaincheck", "nomargin")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
@@ -108,7 +109,8 @@ class Arm:
                              f"+refitperstep (the online calibrator refitting as often as every step) or "
                              f"+steplookup / +linearlookup (the cost table read rounding up / interpolating) or "
                              f"+nofusedpart (a fused chunk's share without the fused pass's own part) or "
-                             f"+unsureplaincheck (stale plain prices re-measured only while unsure)")
+                             f"+unsureplaincheck (stale plain prices re-measured only while unsure) or "
+                             f"+nomargin (modes switch at a gain of zero, no hysteresis)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -132,6 +134,8 @@ class Arm:
                               EngineConfig.row_groups, sort_rows="unsegmented" not in flags)
         if "unsureplaincheck" in flags:
             scheduler.PLAIN_CHECK_GAIN = scheduler.UNSURE_GAIN
+        if "nomargin" in flags:
+            scheduler.SWITCH_MARGIN = 0.0
         self.engine = Engine(self.target, drafter, scheduler, cost, config, calibrator)
         if "nofusedpart" in flags:
             self.engine._pass_fit.MIXED = 1.0  # fused and unfused passes never both common: no own part read

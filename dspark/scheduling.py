@@ -858,7 +858,7 @@ class Scheduler:
 
     name: "none" | "fixed:K" | "threshold:θ" | "batch-table[:B=K,...]" | "dspark" | "dspark-async".
     Adaptive policies ("dspark", "dspark-async") skip drafting when their best schedules are expected
-    slower than plain decoding (smoothed over steps), for a back-off of 4 steps that grows fourfold while
+    slower than plain decoding (smoothed over steps, with a margin either way: SWITCH_MARGIN), for a back-off of 4 steps that grows fourfold while
     drafting keeps not paying (up to `max_backoff`), then probe again; a back-off ends when the batch
     size moves over 2x away from the one it was decided at. A probe is skipped too while
     Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
@@ -896,6 +896,14 @@ class Scheduler:
     #: where drafting gained nothing; a policy that probes only while unsure (gain below 0.41) never checked it.
     #: A plain probe at 64 clients costs about a third of a drafted step's time.
     PLAIN_CHECK_GAIN = 1.0
+    #: log-gain a change of mode needs (hysteresis): drafting stops once the smoothed gain falls below
+    #: -SWITCH_MARGIN, and a probe (the first drafted step after a back-off) resumes drafting only at a gain of at
+    #: least +SWITCH_MARGIN, which the probe gate asks of the typical row too (`_predicted_to_pay`). Near break-even
+    #: each mode alone is level, and switching is what costs: served at 64 clients, temperature 1, probes read
+    #: -0.035, -0.018 and -0.014 where the smoothed gain had held 0.3-0.4, and each sent the drafter to sleep for a
+    #: back-off whose awake end and late-joined rows cost the cell 0.74-0.78x of no speculation, where drafting
+    #: throughout gave 0.89-1.06x and backing off throughout 0.87x (`benchmarks/results/serving/fused_part/`).
+    SWITCH_MARGIN = 0.05
     #: drafted steps after which a plan skipped as not paying (`plan_pays`) runs again
     PLAN_REFRESH = 16
     #: weight of a planned step in the smoothed advantage of planning and in its measured own work
@@ -983,7 +991,7 @@ class Scheduler:
     @property
     def expected_gain(self) -> float | None:
         """An adaptive policy's smoothed expected log-gain of drafting over plain decoding (None: not known yet,
-        or not adaptive); a back-off starts when it falls below zero."""
+        or not adaptive); a back-off starts when it falls below -SWITCH_MARGIN (below +SWITCH_MARGIN at a probe)."""
         return self._gain if self.adaptive else None
 
     @property
@@ -1156,11 +1164,11 @@ class Scheduler:
 
     def _predicted_to_pay(self, num_rows: int) -> bool:
         """Whether Algorithm 1 on the typical survival row of past drafted steps, repeated for `num_rows`
-        requests, beats plain decoding, after the correction that probes at this batch bucket taught
+        requests, beats plain decoding by SWITCH_MARGIN, after the correction that probes at this batch bucket taught
         (`_typical_gain`; survivals of finished steps only: non-anticipating)."""
         if self._last_cost is None or self._last_mean is None:
             return True
-        return self._typical_gain(num_rows, self._last_cost) + self._gate_correction(num_rows) >= 0
+        return self._typical_gain(num_rows, self._last_cost) + self._gate_correction(num_rows) >= self.SWITCH_MARGIN
 
     def _gate_correction(self, num_rows: int) -> float:
         """The gate's correction at `num_rows`'s batch bucket: what probes there found against the typical row,
@@ -1276,7 +1284,8 @@ class Scheduler:
         self._last_mean = np.minimum.accumulate(typical)  # survival of a longer prefix is never higher
 
     def _after_plan(self, gain: float, num: int) -> None:
-        """Back off from drafting while the expected gain of drafting over plain decoding is negative.
+        """Back off from drafting while the expected gain of drafting over plain decoding is below -SWITCH_MARGIN
+        (below +SWITCH_MARGIN at a probe: a back-off ends only where drafting clearly pays).
 
         The gain is log(Θ_best / Θ_plain), smoothed over drafted steps (weight SMOOTHING) so one hard round does
         not stop drafting; the first step after a pause (a probe) replaces the smoothed value, and so does a step
@@ -1290,8 +1299,8 @@ class Scheduler:
             self._gain, self._gain_rows = gain, num
         else:
             self._gain += self.SMOOTHING * (gain - self._gain)
-        self._probing = False
-        if self._gain < 0:
+        probe, self._probing = self._probing, False
+        if self._gain < (self.SWITCH_MARGIN if probe else -self.SWITCH_MARGIN):  # hysteresis: see SWITCH_MARGIN
             self._backoff_rows = num
             self._skip, self._ends = self._backoff, []
             self._backoff = min(self.max_backoff, self._backoff * 4)

@@ -55,7 +55,7 @@ def test_a_back_off_where_drafting_cannot_pay_is_dormant_from_its_first_step() -
     assert s.dormant and s._skip > s.wake_lead
     # where the typical survivals (smoothed over many steps) still predict a gain, a run of hard steps that
     # turns the gain negative backs off for 4 steps, awake
-    dear = CostModel({b: [(n, 1.05 + 0.02 * (n - b)) for n in range(b, 8 * b + 1)] for b in (1, 2, 4, 8)},
+    dear = CostModel({b: [(n, 1.1 + 0.02 * (n - b)) for n in range(b, 8 * b + 1)] for b in (1, 2, 4, 8)},
                      {b: 1.0 for b in (1, 2, 4, 8)}, "padded")
     paying = Scheduler("dspark", gamma=7)
     for _ in range(3):
@@ -171,7 +171,7 @@ def test_a_burst_after_idleness_is_probed_before_its_requests_are_admitted(bundl
 def test_a_fresh_batch_ends_a_back_off_that_a_similar_load_would_keep() -> None:
     """`rejudge(n, fresh=True)` (requests arriving at an idle loop) ends a back-off decided at the same batch
     size, and the next step probes where the typical survivals predict a gain; without `fresh` it goes on."""
-    dear = CostModel({b: [(n, 1.05 + 0.02 * (n - b)) for n in range(b, 8 * b + 1)] for b in (1, 2, 4, 8)},
+    dear = CostModel({b: [(n, 1.1 + 0.02 * (n - b)) for n in range(b, 8 * b + 1)] for b in (1, 2, 4, 8)},
                      {b: 1.0 for b in (1, 2, 4, 8)}, "padded")
     for fresh in (False, True):
         s = Scheduler("dspark", gamma=7)

@@ -1007,3 +1007,43 @@ def test_a_close_call_measures_a_stale_plain_cost_again_before_drafting_on_it():
     assert first_step(close) == (True, 0)  # at most one check per stale_after measurements, whatever the row
     cost.observe(64, 64, cost.plain_cost(64), drafted=False)  # measured again: fresh
     assert cost.plain_measured(64, recently=True) and first_step(close) == (True, 0)
+
+
+def test_a_change_of_mode_needs_the_switch_margin_either_way():
+    """Hysteresis: a drafting policy backs off only once its smoothed gain falls below -SWITCH_MARGIN, and a
+    probe resumes drafting only at a gain of at least +SWITCH_MARGIN (so does the gate that decides whether a probe
+    is worth running). Near break-even each mode alone is level; flipping between them is what costs."""
+    margin = Scheduler.SWITCH_MARGIN
+
+    def cost(drafted_seconds: float) -> CostModel:
+        # one request, plain step 1.0; a drafted step costs `drafted_seconds` (its one draft never survives, so
+        # the best drafted schedule commits one token: gain = -log(drafted_seconds))
+        return CostModel({1: [(1, drafted_seconds), (2, drafted_seconds + 0.5)]}, {1: 1.0}, "padded")
+
+    def at(gain: float) -> CostModel:
+        return cost(math.exp(-gain))
+
+    hopeless = np.zeros((1, 1))
+    s = Scheduler("dspark", gamma=1, max_backoff=16)
+    assert s.wants_drafts(1)
+    s.plan(hopeless, [1], at(-0.6 * margin))
+    assert s.expected_gain == pytest.approx(-0.6 * margin) and s.backoff_left == 0  # inside the margin: drafts on
+    assert s.wants_drafts(1)
+    s.plan(hopeless, [1], at(-6 * margin))  # smoothed: -0.6 m + 0.3 (-6 m + 0.6 m) = -2.2 m
+    assert s.expected_gain < -margin and s.backoff_left > 0
+
+    def probe(gain: float) -> None:
+        for _ in range(100):  # the back-off runs out (its gate reads the last plan's costs)
+            if s.wants_drafts(1):
+                break
+        else:
+            raise AssertionError("no probe within 100 steps")
+        s.plan(hopeless, [1], at(gain))
+
+    probe(0.6 * margin)  # a probe that gains, but less than the margin: back off again
+    assert s.expected_gain == pytest.approx(0.6 * margin) and s.backoff_left > 0
+    assert not s._predicted_to_pay(1)  # and the gate asks the margin of the typical row too
+    probe(3 * margin)
+    assert s.backoff_left == 0 and s.wants_drafts(1) and s._predicted_to_pay(1)
+    s.plan(hopeless, [1], at(-0.6 * margin))  # drafting again: a small loss does not stop it
+    assert s.backoff_left == 0 and s.wants_drafts(1)

@@ -14,7 +14,7 @@ from dspark.engine.prefill import prefill_width
 from dspark.engine.steplog import StepLog, chain, read_step_log
 from dspark.evaluation.bench import load_eval_prompts
 from dspark.sampling import SamplingParams
-from dspark.scheduling import uniform_cost_model
+from dspark.scheduling import Scheduler, uniform_cost_model
 
 
 def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
@@ -50,12 +50,13 @@ def test_every_step_is_logged_with_its_figures(bundled_target, tmp_path):
             assert rec["plain_predicted_seconds"] == rec["predicted_seconds"]
         assert rec["page_faults"] == info.page_faults and (rec["page_faults"] is None or rec["page_faults"] >= 0)
         assert 0.0 <= rec["sort_seconds"] <= rec["step_seconds"] - rec["seconds"] + 1e-6
+        assert rec["gc_full"] == info.gc_full >= 0 and 0.0 <= rec["gc_seconds"] <= rec["step_seconds"] + 1e-6
         # the adaptive scheduler's state after the step: its gain once a step was planned, the back-off it keeps
         assert rec["backoff_left"] == info.backoff_left >= 0
         assert (rec["expected_gain"] is None) == (info.expected_gain is None)
         if info.expected_gain is not None:
             assert rec["expected_gain"] == pytest.approx(info.expected_gain, abs=1e-4)
-            assert info.backoff_left == 0 or info.expected_gain < 0 or not info.drafted
+            assert info.backoff_left == 0 or info.expected_gain < Scheduler.SWITCH_MARGIN or not info.drafted
         last_end = rec["started"] + rec["step_seconds"]
     # every committed token is in the log: each request's first token from its prefill (which fed the whole
     # prompt), then rows + accepted drafts per step
@@ -141,3 +142,33 @@ def test_page_faults_are_counted_per_thread():
     quiet = thread_page_faults() - quiet_before
     # at least one fault per 2 MiB (transparent huge pages fault a 2 MiB page at a time, 4 KiB pages 512 times more)
     assert counts["toucher"] >= (256 << 20) // (2 << 20) and quiet < counts["toucher"] // 2
+
+
+def test_garbage_collections_inside_a_step_are_timed(bundled_target):
+    """A collection holds the interpreter lock, so one anywhere in the process stalls the step: the step records
+    the seconds spent collecting and how many collections were full ones (here forced inside each step, where it
+    looks at the rows' order: a young generation's first, then full ones)."""
+    import gc
+
+    from dspark.engine.gc_clock import gc_clock
+
+    clock = gc_clock()
+    assert gc_clock() is clock and gc.callbacks.count(clock) == 1  # installed once
+    before = clock.full
+    gc.collect()
+    assert clock.full == before + 1
+    seen = []
+    engine = Engine(bundled_target, None, "none", on_step=seen.append)
+    engine.add(Request(encode_prompt(bundled_target, "def f(x):"), SamplingParams(), max_tokens=6))
+    engine.step()  # the prefill (and the first round)
+    first = len(seen)
+    engine._sort_rows = lambda: gc.collect(0)
+    for _ in range(2):
+        engine.step()
+    young = seen[first:]
+    assert len(young) == 2 and all(0 < i.gc_seconds < i.step_seconds and i.gc_full == 0 for i in young)
+    engine._sort_rows = gc.collect
+    while engine.has_work:
+        engine.step()
+    full = seen[first + 2:]
+    assert full and all(0 < i.gc_seconds < i.step_seconds and i.gc_full == 1 for i in full)

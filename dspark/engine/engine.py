@@ -62,6 +62,7 @@ import torch
 
 from dspark.attention import segment_cost
 from dspark.drafters.base import DraftBlock, Drafter, NoDrafter, RoundOutcome, drafter_gamma
+from dspark.engine.gc_clock import gc_clock
 from dspark.engine.prefill import fused_prefill_width, prefill_width
 from dspark.engine.rate_guard import RateGuard
 from dspark.engine.request import Request, RequestOutput, RoundStats
@@ -126,6 +127,9 @@ class StepInfo:
     look at the running rows' order and the reorder, if it made one (`EngineConfig.sort_rows`; outside the
     round, inside step_seconds). page_faults: the engine thread's minor page faults over the step (memory touched
     for the first time since the kernel mapped it; None where the platform does not count them per thread).
+    gc_seconds / gc_full: seconds the process spent in Python's garbage collector during the step, in any thread
+    (a collection holds the interpreter lock: `dspark.engine.gc_clock`), and how many of those collections were
+    full (generation 2) ones.
     """
 
     batch: int
@@ -161,6 +165,8 @@ class StepInfo:
     chunk_seconds: float | None = None
     cpu_seconds: float = 0.0
     page_faults: int | None = None
+    gc_seconds: float = 0.0
+    gc_full: int = 0
     expected_accepted: float | None = None
 
 
@@ -329,6 +335,7 @@ class Engine:
         self._can_sleep = bool(self.config.drafter_sleep and self.scheduler.adaptive and self.want_features)
         self._asleep = False  # the drafter holds no rows and no target features are captured
         self._blind: set[int] = set()  # requests without a drafter context: they verify no drafts
+        self._gc = gc_clock()  # seconds the process spends in garbage collection (StepInfo.gc_seconds)
         self._warming: dict[int, int] = {}  # requests whose context started late (`join_late`): rounds left undrafted
         self.drafter_sleeps = 0  # times the drafter was put to sleep
         self._pass_fit = PassFit()  # target passes beyond the table: the context's slots, a fused chunk's share
@@ -407,6 +414,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what each request committed in it (finished ones included)."""
         start, cpu_start, faults_start = time.perf_counter(), time.thread_time(), thread_page_faults()
+        gc_seconds_start, gc_full_start = self._gc.seconds, self._gc.full
         self._observe_overhead(start)
         self._observe_rate(start)
         committed = self._committed
@@ -448,6 +456,7 @@ class Engine:
             info.cpu_seconds = time.thread_time() - cpu_start
             faults = thread_page_faults()
             info.page_faults = None if faults is None or faults_start is None else faults - faults_start
+            info.gc_seconds, info.gc_full = self._gc.seconds - gc_seconds_start, self._gc.full - gc_full_start
             if self.on_step is not None:
                 self.on_step(info)
         self._last_round = None if info is None else \

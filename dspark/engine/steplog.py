@@ -5,7 +5,8 @@ target seconds, the cost model's prediction and its figure for a plain round, dr
 target cache's slots per row and live tokens, the time spent joining finished prefills, whether the scheduler
 planned the round, the drafted width, an adaptive scheduler's smoothed expected gain, back-off left and gate
 correction, the engine thread's CPU time over the step, the accepted drafts a planned round expected, the time spent
-reordering the running rows, the engine thread's page faults) and `started`, the step's start on the process's
+reordering the running rows, the engine thread's page faults, the seconds spent in garbage collection and how
+many full collections ran) and `started`, the step's start on the process's
 perf_counter clock, so that gaps between steps (time the engine thread spent outside `step`: dispatching outputs,
 waiting for the interpreter lock) can be read off. The file is appended to while the server runs, a line at a time:
 a reader skips a last line cut short by a crash (`read_step_log`).
@@ -49,6 +50,7 @@ def step_record(info: StepInfo) -> dict:
         "cpu_seconds": round(info.cpu_seconds, 6),
         "expected_accepted": None if info.expected_accepted is None else round(info.expected_accepted, 3),
         "sort_seconds": round(info.sort_seconds, 6), "page_faults": info.page_faults,
+        "gc_seconds": round(info.gc_seconds, 6), "gc_full": info.gc_full,
     }
 
 
