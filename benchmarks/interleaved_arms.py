@@ -32,7 +32,8 @@ to profiled values / interpolating between them, `CostModel.lookup`, where the d
 `+nofusedpart` takes a fused round's chunk share without the fused pass's own fixed part (`PassFit.MIXED`);
 `+unsureplaincheck` re-measures a stale plain price only while the policy is unsure, below log 1.5
 (`Scheduler.PLAIN_CHECK_GAIN`), as before 82dd54a; `+nomargin` switches between drafting and backing off at
-a gain of zero, without `Scheduler.SWITCH_MARGIN`. `--warmup` blocks run first and are not counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
+a gain of zero, without `Scheduler.SWITCH_MARGIN`; `+fuseprobes` lets a plain probe carry a prefill chunk in its
+pass, `EngineConfig.fuse_plain_probes`. `--warmup` blocks run first and are not counted. `--threads` sets torch's threads (a served engine's default on a CPU is one fewer than the cores).
 
 At temperature > 0 an arm's sample depends on its seeds and on how many drafts each round verified: arms
 that verify the same lengths (every fixed K, or K and itself) replay the same sample in every block and every
@@ -98,7 +99,7 @@ class Arm:
         name, *flags = spec.split("+")
         known = ("online", "offline", "unfused", "nopassfit", "paidcompact", "unfolded", "unsegmented", "onegroup",
                  "twogroups", "pathcut", "refitperstep", "oldfold", "steplookup", "linearlookup", "nofusedpart",
-                 "unsureplaincheck", "nomargin")
+                 "unsureplaincheck", "nomargin", "fuseprobes")
         if any(flag not in known for flag in flags):
             raise ValueError(f"arm {spec!r}: a suffix must be +online or +offline (the calibration it runs), "
                              f"+unfused (prefill chunks in passes of their own), +nopassfit (no pass fit), "
@@ -110,7 +111,8 @@ class Arm:
                              f"+steplookup / +linearlookup (the cost table read rounding up / interpolating) or "
                              f"+nofusedpart (a fused chunk's share without the fused pass's own part) or "
                              f"+unsureplaincheck (stale plain prices re-measured only while unsure) or "
-                             f"+nomargin (modes switch at a gain of zero, no hysteresis)")
+                             f"+nomargin (modes switch at a gain of zero, no hysteresis) or "
+                             f"+fuseprobes (plain probes carry a prefill chunk in their pass)")
         online = "online" in flags or (online and "offline" not in flags)
         self.target = load_target()
         drafter = load_drafter(drafter_name, self.target)
@@ -131,7 +133,8 @@ class Arm:
         config = EngineConfig(max_running=concurrency, fuse_prefill="unfused" not in flags,
                               pass_fit="nopassfit" not in flags, paid_compaction="paidcompact" in flags,
                               row_groups=2 if "twogroups" in flags else 1 if "onegroup" in flags else
-                              EngineConfig.row_groups, sort_rows="unsegmented" not in flags)
+                              EngineConfig.row_groups, sort_rows="unsegmented" not in flags,
+                              fuse_plain_probes="fuseprobes" in flags)
         if "unsureplaincheck" in flags:
             scheduler.PLAIN_CHECK_GAIN = scheduler.UNSURE_GAIN
         if "nomargin" in flags:

@@ -510,6 +510,36 @@ def test_a_joining_prompt_rides_in_the_running_rows_pass(fuse, bundled_target, d
         assert req.output_ids == ref[0].token_ids
 
 
+@pytest.mark.parametrize("fuse_probes", [False, True])
+def test_a_plain_probe_measures_a_plain_round_without_a_prefill_chunk(fuse_probes, bundled_target, dspark_drafter,
+                                                                      prompts):
+    """A plain probe exists to measure what a plain round costs; a chunk fed in its pass would leave the cost
+    model only the round less an estimated share of the chunk (at 64 clients chunks of 17-72 ms rode in plain
+    rounds of about 55). So a probe's chunk goes in a pass of its own after the round (`fuse_plain_probes` keeps
+    the old behaviour), and drafted rounds still carry theirs."""
+    cost = uniform_cost_model(drafter_gamma(dspark_drafter), range(1, 9))
+    infos, probes = [], []
+    engine = Engine(bundled_target, dspark_drafter, "dspark", cost,
+                    EngineConfig(max_running=8, prefill_chunk=16, fuse_plain_probes=fuse_probes),
+                    eos_token_ids=frozenset())
+    engine.on_step = lambda info: (infos.append(info), probes.append(engine.scheduler.plain_probes))
+    requests = [Request(prompts[i % len(prompts)], SamplingParams(temperature=0.0), max_tokens=6 + 3 * i)
+                for i in range(8)]
+    run_staggered(engine, requests, [0, 1, 2, 3, 4, 5, 6, 7])
+    beside = [info for i, info in enumerate(infos) if probes[i] > (probes[i - 1] if i else 0) and info.prefill_tokens]
+    assert beside, "no plain probe met a prefill chunk"
+    assert not any(info.drafted for info in beside)
+    if fuse_probes:  # as before: probes carry the chunk where the step fuses
+        assert any(info.fused_prefill for info in beside)
+    else:
+        assert not any(info.fused_prefill for info in beside)
+    assert any(info.fused_prefill and info.drafted for info in infos)  # drafted rounds still carry chunks
+    for req in requests:  # lossless either way
+        ref = decode(bundled_target, NoDrafter(), [req.prompt_ids], max_new_tokens=req.max_tokens,
+                     eos_token_ids=frozenset())
+        assert req.output_ids == ref[0].token_ids
+
+
 def test_fused_and_separate_prefill_commit_the_same_tokens(bundled_target, dspark_drafter, prompts):
     """Staggered greedy and seeded sampled requests, chunked prompts (a small chunk budget): every request
     commits the same tokens whether its prefill chunks ride in the rounds' passes or run in their own."""

@@ -225,7 +225,10 @@ class EngineConfig:
     drafter_sleep: with an adaptive scheduler and a drafter that reads target features, drop the drafter's
     per-request context while the scheduler is far into a back-off (`Scheduler.dormant`); see the module doc.
     fuse_prefill: feed a prefill chunk beside running requests in the round's own target pass where the
-    target packs (`CausalLM.packs`), instead of in a pass of its own. pass_fit: with the online correction,
+    target packs (`CausalLM.packs`), instead of in a pass of its own; a plain probe (a round an adaptive
+    scheduler runs without drafting to measure what plain rounds cost, `Scheduler.plain_probes`) leaves its
+    chunk to a pass of its own unless `fuse_plain_probes`, so that it measures a plain round as it is rather than
+    less an estimated share of a chunk that can cost as much as the round itself. pass_fit: with the online correction,
     learn what target passes cost beyond the table (`dspark.pass_fit`): price each round at the cache's context,
     and let the correction see rounds that fed a prefill chunk, less the chunk's fitted share. Off, the
     correction sees unfused rounds only (under load, few) and every context costs as the profile's.
@@ -257,6 +260,7 @@ class EngineConfig:
     rate_guard: bool = False
     drafter_sleep: bool = True
     fuse_prefill: bool = True
+    fuse_plain_probes: bool = False
     pass_fit: bool = True
     paid_compaction: bool = False
     row_groups: int = 1
@@ -766,7 +770,10 @@ class Engine:
             # price this round at the context its pass will attend over
             self.cost_model.set_context(self._pass_fit.slot_seconds, self.rows.slots)
         batch = self._round_inputs()
+        probes = sched.plain_probes
         drafted, faulted = self._wants_drafts(batch.budget), False
+        if side is not None and sched.plain_probes > probes and not self.config.fuse_plain_probes:
+            side = None  # a plain probe measures a plain round alone: the chunk goes in a pass of its own after it
         block = self._propose(batch, outputs) if drafted else None
         if drafted and block is None:  # the rows whose drafting raised have left: the rest decode without drafts
             drafted, faulted = False, True
