@@ -74,8 +74,8 @@ def main() -> int:
         engine.step()
     steps = infos[start:]
     lines = [" ".join(sys.argv),
-             f"{args.concurrency} requests, temperature {args.temperature:g}: a back-off of {args.backoff} steps forced "
-             f"after {args.warmup}, then {args.steps} steps (wake_lead {s.wake_lead})",
+             f"{args.concurrency} requests, temperature {args.temperature:g}: a back-off of {args.backoff} steps "
+             f"forced after {args.warmup}, then {args.steps} steps (wake_lead {s.wake_lead})",
              f"{'mode':14s} {'steps':>5s} {'round ms':>9s} {'outside ms':>11s} {'sorts':>6s} {'sort ms':>8s} "
              f"{'faults':>7s} {'gc ms':>6s}  (medians; sorts: steps that reordered rows, their median)"]
     for name in ("asleep", "awake, plain", "drafting"):
@@ -91,8 +91,8 @@ def main() -> int:
     lines.append("steps over 50 ms outside their round:")
     for j, i in enumerate(steps):
         if i.step_seconds - i.seconds > 0.05:
-            lines.append(f"  step {j:3d} ({mode(i)}, {i.batch} rows): {1e3 * (i.step_seconds - i.seconds):.1f} ms outside "
-                         f"(sort {1e3 * i.sort_seconds:.1f}, prefill {1e3 * i.prefill_seconds:.1f}, gc "
+            lines.append(f"  step {j:3d} ({mode(i)}, {i.batch} rows): "
+                         f"{1e3 * (i.step_seconds - i.seconds):.1f} ms outside (sort {1e3 * i.sort_seconds:.1f}, prefill {1e3 * i.prefill_seconds:.1f}, gc "
                          f"{1e3 * i.gc_seconds:.1f}), {i.page_faults} page faults")
     text = "\n".join(lines)
     print(text)

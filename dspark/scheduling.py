@@ -858,8 +858,8 @@ class Scheduler:
 
     name: "none" | "fixed:K" | "threshold:θ" | "batch-table[:B=K,...]" | "dspark" | "dspark-async".
     Adaptive policies ("dspark", "dspark-async") skip drafting when their best schedules are expected
-    slower than plain decoding (smoothed over steps, with a margin either way: SWITCH_MARGIN), for a back-off of 4 steps that grows fourfold while
-    drafting keeps not paying (up to `max_backoff`), then probe again; a back-off ends when the batch
+    slower than plain decoding (smoothed over steps, with a margin either way: SWITCH_MARGIN), for a back-off
+    of 4 steps that grows fourfold while drafting keeps not paying (up to `max_backoff`), then probe again; a back-off ends when the batch
     size moves over 2x away from the one it was decided at. A probe is skipped too while
     Algorithm 1 on the workload's typical survival row (the mean row of drafted steps, averaged over about
     the last 1 / SURVIVAL_SMOOTHING of them, so a few hard steps do not stand for the workload; corrected per
@@ -1164,8 +1164,8 @@ class Scheduler:
 
     def _predicted_to_pay(self, num_rows: int) -> bool:
         """Whether Algorithm 1 on the typical survival row of past drafted steps, repeated for `num_rows`
-        requests, beats plain decoding by SWITCH_MARGIN, after the correction that probes at this batch bucket taught
-        (`_typical_gain`; survivals of finished steps only: non-anticipating)."""
+        requests, beats plain decoding by SWITCH_MARGIN, after the correction that probes at this batch bucket
+        taught (`_typical_gain`; survivals of finished steps only: non-anticipating)."""
         if self._last_cost is None or self._last_mean is None:
             return True
         return self._typical_gain(num_rows, self._last_cost) + self._gate_correction(num_rows) >= self.SWITCH_MARGIN
