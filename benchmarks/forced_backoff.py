@@ -92,8 +92,9 @@ def main() -> int:
     for j, i in enumerate(steps):
         if i.step_seconds - i.seconds > 0.05:
             lines.append(f"  step {j:3d} ({mode(i)}, {i.batch} rows): "
-                         f"{1e3 * (i.step_seconds - i.seconds):.1f} ms outside (sort {1e3 * i.sort_seconds:.1f}, prefill {1e3 * i.prefill_seconds:.1f}, gc "
-                         f"{1e3 * i.gc_seconds:.1f}), {i.page_faults} page faults")
+                         f"{1e3 * (i.step_seconds - i.seconds):.1f} ms outside (sort {1e3 * i.sort_seconds:.1f}, "
+                         f"prefill {1e3 * i.prefill_seconds:.1f}, gc {1e3 * i.gc_seconds:.1f}), "
+                         f"{i.page_faults} page faults")
     text = "\n".join(lines)
     print(text)
     if args.out:
